@@ -1,0 +1,80 @@
+"""The current strategy and replica context, held in one ContextVar.
+
+Three situations, as in tf.distribute:
+
+* no strategy scope entered: the default strategy is current and the code runs
+  in its (only) replica context;
+* inside ``strategy.scope()`` and outside ``strategy.run``: cross-replica context;
+* inside the function given to ``strategy.run``: replica context.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+from typing import TYPE_CHECKING, Iterator
+
+if TYPE_CHECKING:  # pragma: no cover
+    from distribute.replica import ReplicaContext
+    from distribute.strategy import Strategy
+
+
+@dataclasses.dataclass(frozen=True)
+class _State:
+    strategy: "Strategy | None" = None  # None: the default strategy
+    replica_context: "ReplicaContext | None" = None  # set inside run
+    scope_depth: int = 0
+
+
+_STATE: contextvars.ContextVar[_State] = contextvars.ContextVar(
+    "distribute_state", default=_State()
+)
+
+
+def state() -> _State:
+    return _STATE.get()
+
+
+def scope_strategy() -> "Strategy | None":
+    """The strategy whose scope (or run) is active, or None for the default one."""
+    return _STATE.get().strategy
+
+
+def current_replica_context() -> "ReplicaContext | None":
+    return _STATE.get().replica_context
+
+
+@contextlib.contextmanager
+def enter_scope(strategy: "Strategy") -> Iterator[None]:
+    current = _STATE.get()
+    if current.strategy is not None and current.strategy is not strategy:
+        raise RuntimeError(
+            f"Mixing different tf.distribute.Strategy objects: cannot enter the "
+            f"scope of {strategy!r} inside the scope of {current.strategy!r}. "
+            "Exit the first strategy's scope before entering another one, and "
+            "build each model entirely inside one strategy's scope."
+        )
+    if current.replica_context is not None:
+        # TF allows re-entering the same scope inside run; it changes nothing.
+        yield
+        return
+    token = _STATE.set(
+        _State(strategy=strategy, replica_context=None, scope_depth=current.scope_depth + 1)
+    )
+    try:
+        yield
+    finally:
+        _STATE.reset(token)
+
+
+@contextlib.contextmanager
+def enter_replica(strategy: "Strategy", replica_context: "ReplicaContext") -> Iterator[None]:
+    current = _STATE.get()
+    token = _STATE.set(
+        _State(strategy=strategy, replica_context=replica_context, scope_depth=current.scope_depth)
+    )
+    try:
+        yield
+    finally:
+        _STATE.reset(token)

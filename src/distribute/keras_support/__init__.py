@@ -1,0 +1,1 @@
+"""Keras integration: distribution-aware variables, optimizers, metrics and fit."""

@@ -1,0 +1,70 @@
+"""compute_average_loss and scale_regularization_loss (tf.nn names)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax.numpy as jnp
+
+from distribute import _context
+
+
+def compute_average_loss(per_example_loss: Any, sample_weight: Any = None, global_batch_size: int | None = None) -> Any:
+    """Scales per-example losses so that summing over replicas gives the global mean.
+
+    Matches ``tf.nn.compute_average_loss``: returns
+    ``sum(per_example_loss * sample_weight) / global_batch_size``, where the global
+    batch size defaults to ``per_replica_batch * num_replicas_in_sync``.  Two
+    replicas, ``[1., 2., 3., 4.]`` on each -> ``1.25`` per replica, 2.5 summed.
+
+    Beyond TF: in a step whose batch was padded (the last, partial batch), the
+    padding rows are left out and the default global batch size is the number of
+    real examples across all replicas, so the result equals the single-device
+    mean exactly; a replica with no real examples contributes 0 (never NaN).
+
+    Args:
+        per_example_loss: ``(per_replica_batch, ...)`` losses; extra dims are summed.
+        sample_weight: optional weights broadcastable to ``per_example_loss``.
+        global_batch_size: divisor; default as above.
+
+    Returns:
+        A scalar.
+
+    Raises:
+        ValueError: ``global_batch_size`` is not positive.
+    """
+    loss = jnp.asarray(per_example_loss)
+    if not jnp.issubdtype(loss.dtype, jnp.floating):
+        loss = loss.astype(jnp.float32)
+    if sample_weight is not None:
+        weight = jnp.asarray(sample_weight, dtype=loss.dtype)
+        if weight.ndim < loss.ndim:
+            weight = weight.reshape(weight.shape + (1,) * (loss.ndim - weight.ndim))
+        loss = loss * weight
+    context = _context.current_replica_context()
+    num_replicas = 1 if context is None else context.num_replicas_in_sync
+    rows = loss.shape[0] if loss.ndim else 1
+    mask = None if context is None or loss.ndim == 0 else context._mask_for(rows)
+    if mask is not None:
+        loss = jnp.where(mask.reshape(mask.shape + (1,) * (loss.ndim - 1)), loss, 0)
+    if global_batch_size is not None:
+        if global_batch_size <= 0:
+            raise ValueError(f"global_batch_size={global_batch_size} must be positive.")
+        divisor = jnp.asarray(global_batch_size, loss.dtype)
+    elif mask is not None:
+        divisor = context._global_valid_count().astype(loss.dtype)
+    else:
+        divisor = jnp.asarray(rows * num_replicas, loss.dtype)
+    total = jnp.sum(loss)
+    return jnp.where(divisor > 0, total / jnp.where(divisor > 0, divisor, 1), jnp.zeros_like(total))
+
+
+def scale_regularization_loss(regularization_loss: Any) -> Any:
+    """Divides a regularization loss by the number of replicas (``tf.nn.scale_regularization_loss``).
+
+    Each replica adds it once, so the sum over replicas counts it once: with 2
+    replicas, 0.4 -> 0.2.
+    """
+    context = _context.current_replica_context()
+    num_replicas = 1 if context is None else context.num_replicas_in_sync
+    return jnp.asarray(regularization_loss) / num_replicas

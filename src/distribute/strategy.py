@@ -1,0 +1,527 @@
+"""Strategy and StrategyExtended (tf.distribute.Strategy), and the default strategy.
+
+A mesh strategy owns a ``jax.sharding.Mesh`` with one axis, ``"replica"``, over its
+devices.  Cross-replica operations (``reduce``, ``gather``,
+``experimental_local_results``) work on the global arrays that back
+:class:`~distribute.values.PerReplica` values; ``run`` compiles the replica
+function into one SPMD program (see ``tracing.py``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from typing import Any, Callable, Iterator, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from distribute import _context
+from distribute.values import DistributedValues, Mirrored, PerReplica, ReduceOp, is_distributed
+
+AXIS = "replica"
+
+
+class ValueContext:
+    """What ``experimental_distribute_values_from_function`` tells ``value_fn``.
+
+    Matches tf.distribute.experimental.ValueContext.
+    """
+
+    def __init__(self, replica_id_in_sync_group: int = 0, num_replicas_in_sync: int = 1):
+        self.replica_id_in_sync_group = replica_id_in_sync_group
+        self.num_replicas_in_sync = num_replicas_in_sync
+
+    def __repr__(self) -> str:
+        return (
+            f"ValueContext(replica_id_in_sync_group={self.replica_id_in_sync_group}, "
+            f"num_replicas_in_sync={self.num_replicas_in_sync})"
+        )
+
+
+class StrategyExtended:
+    """The less common half of a strategy's API (tf.distribute.StrategyExtended).
+
+    Holds the mesh (one axis, ``"replica"``) and the shardings used for
+    per-replica (``P("replica")``) and mirrored (``P()``) values.
+    """
+
+    def __init__(self, strategy: "Strategy", devices: Sequence[jax.Device]):
+        self._container_strategy = strategy
+        self._devices = tuple(devices)
+        self._mesh = jax.sharding.Mesh(np.array(self._devices), (AXIS,))
+        self._per_replica_sharding = NamedSharding(self._mesh, P(AXIS))
+        self._replicated_sharding = NamedSharding(self._mesh, P())
+        process = jax.process_index()
+        self._local_devices = tuple(d for d in self._devices if d.process_index == process)
+        self._compiled: dict = {}  # run's cache, see tracing.py
+
+    # -- public, as TF --------------------------------------------------------------
+    @property
+    def worker_devices(self) -> tuple[str, ...]:
+        """This worker's devices, as strings (TF: worker_devices)."""
+        return tuple(_device_name(d) for d in self._local_devices)
+
+    @property
+    def parameter_devices(self) -> tuple[str, ...]:
+        """Devices that hold variables: every replica's (mirrored variables)."""
+        return self.worker_devices
+
+    @property
+    def should_checkpoint(self) -> bool:
+        """Whether this worker should save checkpoints (TF: the chief only)."""
+        return True
+
+    @property
+    def should_save_summary(self) -> bool:
+        return True
+
+    @property
+    def should_init(self) -> bool:
+        return True
+
+    def variable_created_in_scope(self, v: Any) -> bool:
+        """True when Keras variable ``v`` was created inside this strategy's scope.
+
+        Matches TF's ``StrategyExtended.variable_created_in_scope``.
+        """
+        return getattr(v, "_distribute_strategy", None) is self._container_strategy
+
+    @contextlib.contextmanager
+    def colocate_vars_with(self, colocate_with_variable: Any) -> Iterator[None]:
+        """Places new variables with ``colocate_with_variable``.
+
+        Every variable is mirrored on every replica here, so this changes nothing;
+        it exists so TF code runs unchanged.
+        """
+        yield
+
+    def reduce_to(self, reduce_op: ReduceOp | str, value: Any, destinations: Any = None, options: Any = None) -> Mirrored:
+        """Reduces ``value`` across replicas and returns it mirrored (TF: reduce_to).
+
+        ``destinations`` is accepted for compatibility: the result is mirrored on
+        every replica of this strategy.  Shapes: per-replica ``s`` -> mirrored ``s``.
+        """
+        strategy = self._container_strategy
+        reduced = strategy.reduce(reduce_op, value, axis=None)
+        return Mirrored(reduced, strategy)
+
+    def batch_reduce_to(self, reduce_op: ReduceOp | str, value_destination_pairs: Sequence, options: Any = None) -> list:
+        """``reduce_to`` over a list of ``(value, destinations)`` pairs."""
+        return [self.reduce_to(reduce_op, v, d, options) for v, d in value_destination_pairs]
+
+    def update(self, var: Any, fn: Callable, args: Sequence = (), kwargs: dict | None = None, group: bool = True) -> Any:
+        """Runs ``fn(var, *args, **kwargs)`` to update a mirrored variable in cross-replica context.
+
+        Every replica holds the same (replicated) array, so one call updates all
+        copies.  Raises RuntimeError inside ``run`` (TF requires cross-replica
+        context here).
+        """
+        _require_cross_replica("extended.update", "update the variable from the replica function with var.assign(...)")
+        return fn(var, *args, **(kwargs or {}))
+
+    # -- internal ---------------------------------------------------------------------
+    def _input_pipelines(self) -> tuple[int, int]:
+        """(number of input pipelines, this worker's pipeline id): one per worker."""
+        return 1, 0
+
+    def _shard_dataset(self, dataset: Any) -> Any:
+        """This worker's share of a dataset (all of it with one worker)."""
+        return dataset
+
+    def _put_per_replica(self, stacked: Any) -> jax.Array:
+        """Places a stacked ``(num_local_replicas, ...)`` host value as a global per-replica array."""
+        if jax.process_count() == 1:
+            return jax.device_put(stacked, self._per_replica_sharding)
+        global_shape = (len(self._devices), *stacked.shape[1:])
+        return jax.make_array_from_process_local_data(self._per_replica_sharding, np.asarray(stacked), global_shape)
+
+    def _put_replicated(self, value: Any) -> jax.Array:
+        if isinstance(value, DistributedValues):
+            raise TypeError(f"expected a plain array, got {type(value).__name__}")
+        return jax.device_put(value, self._replicated_sharding)
+
+
+class Strategy:
+    """A way to run one computation on several replicas (tf.distribute.Strategy).
+
+    Use :class:`~distribute.MirroredStrategy` and friends; this base holds the API
+    they share.
+    """
+
+    _extended_cls = StrategyExtended
+
+    def __init__(self, devices: Sequence[jax.Device]):
+        self._extended = self._extended_cls(self, devices)
+        self._cluster_resolver = None
+
+    # -- properties ----------------------------------------------------------------------
+    @property
+    def extended(self) -> StrategyExtended:
+        return self._extended
+
+    @property
+    def num_replicas_in_sync(self) -> int:
+        """Replicas taking part in each step, across all workers."""
+        return len(self._extended._devices)
+
+    @property
+    def cluster_resolver(self):
+        """The cluster resolver, for multi-worker strategies; None here (as TF)."""
+        return self._cluster_resolver
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(num_replicas_in_sync={self.num_replicas_in_sync})"
+
+    # -- scope -----------------------------------------------------------------------------
+    def scope(self) -> contextlib.AbstractContextManager:
+        """Makes this strategy current: Keras variables, models, optimizers and
+        metrics created inside become distribution-aware (mirrored on every replica).
+
+        Nesting the same strategy's scope is fine.
+
+        Raises:
+            RuntimeError: another strategy's scope is already active (TF: "Mixing
+                different tf.distribute.Strategy objects").
+        """
+        return _context.enter_scope(self)
+
+    # -- run -----------------------------------------------------------------------------
+    def run(self, fn: Callable, args: Sequence = (), kwargs: dict | None = None, options: Any = None) -> Any:
+        """Runs ``fn`` once per replica, compiled as one SPMD program (TF: Strategy.run).
+
+        ``fn`` receives each replica's component of PerReplica arguments (a
+        ``(global_batch, ...)`` input arrives as ``(per_replica_batch, ...)``) and
+        the value itself for anything else.  Keras variables that ``fn`` reads or
+        assigns are lifted into the program and written back after it; collectives
+        are available through ``get_replica_context()``.  The program is compiled
+        once per input signature (shapes, dtypes, Python constants) and cached for
+        the function object ``fn``.
+
+        Returns:
+            The structure ``fn`` returns, each array leaf as a PerReplica.
+
+        Raises:
+            TypeError: ``args`` is not a tuple or list, or ``kwargs`` not a dict.
+            RuntimeError: called inside another ``run``.
+            ValueError: ``fn`` uses a Keras variable created outside this
+                strategy's scope.
+        """
+        from distribute import tracing
+
+        if not isinstance(args, (tuple, list)):
+            raise TypeError(
+                f"strategy.run: args must be a tuple or list, got {type(args).__name__}; "
+                f"wrap a single argument as args=(x,)."
+            )
+        if kwargs is not None and not isinstance(kwargs, dict):
+            raise TypeError(f"strategy.run: kwargs must be a dict, got {type(kwargs).__name__}.")
+        if _context.current_replica_context() is not None:
+            raise RuntimeError(
+                "strategy.run was called inside another strategy.run (in replica context). "
+                "Call the inner function directly instead."
+            )
+        with self.scope():
+            return tracing.run(self, fn, tuple(args), dict(kwargs or {}))
+
+    # -- cross-replica ops ---------------------------------------------------------------
+    def reduce(self, reduce_op: ReduceOp | str, value: Any, axis: int | None = None) -> Any:
+        """Combines the replicas' values into one (TF: Strategy.reduce).
+
+        With ``axis=None`` the per-replica values are combined element-wise
+        (per-replica ``s`` -> ``s``).  With an axis, that axis is also reduced, and
+        MEAN divides by the total number of elements along it across replicas, so
+        a padded partial batch gives the true mean: replicas ``[1,2,3,4]`` and
+        ``[5,6]``, MEAN, axis 0 -> 3.5.  Works on nested structures.
+
+        Raises:
+            ValueError: unknown op; SUM of a non-distributed value with more than
+                one replica (as TF); per-replica shapes differ along dims that
+                ``axis=None`` combines.
+            RuntimeError: called inside ``run`` (use ``ReplicaContext.all_reduce``).
+        """
+        op = ReduceOp.from_value(reduce_op)
+        _require_cross_replica("strategy.reduce", "use get_replica_context().all_reduce(...) inside run")
+        return jax.tree_util.tree_map(
+            lambda v: self._reduce_one(op, v, axis), value, is_leaf=is_distributed
+        )
+
+    def gather(self, value: Any, axis: int) -> Any:
+        """Concatenates the replicas' values along ``axis`` (TF: Strategy.gather).
+
+        Per-replica ``(b_r, ...)`` -> ``(sum_r b_r, ...)`` for ``axis=0``; padding of
+        a partial batch is dropped, so exactly the real rows come back in order.
+
+        Raises:
+            RuntimeError: called inside ``run`` (use ``ReplicaContext.all_gather``).
+            ValueError: replicas' shapes differ along a dim other than ``axis``.
+        """
+        _require_cross_replica("strategy.gather", "use get_replica_context().all_gather(...) inside run")
+        return jax.tree_util.tree_map(lambda v: self._gather_one(v, axis), value, is_leaf=is_distributed)
+
+    def experimental_local_results(self, value: Any) -> tuple:
+        """This worker's components of ``value``, one per local replica (TF: same name).
+
+        Padding of partial batches is removed: with 2 replicas, the last batch of
+        ``range(5).batch(4)`` gives ``([4], [])``.  A non-distributed value gives
+        ``(value,)``.
+        """
+        if isinstance(value, DistributedValues):
+            return value.values
+        leaves, treedef = jax.tree_util.tree_flatten(value, is_leaf=is_distributed)
+        if any(isinstance(leaf, DistributedValues) for leaf in leaves):
+            per_leaf = [leaf.values if isinstance(leaf, DistributedValues) else (leaf,) * len(self._extended._local_devices) for leaf in leaves]
+            return tuple(jax.tree_util.tree_unflatten(treedef, list(parts)) for parts in zip(*per_leaf))
+        return (value,)
+
+    def experimental_distribute_values_from_function(self, value_fn: Callable[[ValueContext], Any]) -> Any:
+        """Builds a PerReplica from ``value_fn(ValueContext)``, called once per local replica.
+
+        Matches TF: ``value_fn`` gets ``replica_id_in_sync_group`` and
+        ``num_replicas_in_sync``; nested structures give nested PerReplica values.
+        """
+        ext = self._extended
+        ids = [ext._devices.index(d) for d in ext._local_devices]
+        parts = [value_fn(ValueContext(i, self.num_replicas_in_sync)) for i in ids]
+        leaves0, treedef = jax.tree_util.tree_flatten(parts[0])
+        columns = [jax.tree_util.tree_leaves(p) for p in parts]
+        out = []
+        for j in range(len(leaves0)):
+            with self.scope():
+                out.append(PerReplica([col[j] for col in columns]))
+        return jax.tree_util.tree_unflatten(treedef, out)
+
+    def experimental_distribute_dataset(self, dataset: Any, options: Any = None) -> Any:
+        """Splits each global batch of ``dataset`` across the replicas (TF: same name).
+
+        ``dataset`` must be batched with the global batch size: each element
+        ``(global_batch, ...)`` becomes a PerReplica of ``(per_replica_batch, ...)``
+        pieces, contiguous and in order.  A final partial batch is split as
+        evenly as possible (``ceil(n / replicas)`` per replica, in order, as TF)
+        and padded internally; the padding never shows.
+
+        Raises:
+            ValueError: ``dataset`` is not batched.
+            TypeError: ``dataset`` is not a ``distribute.data.Dataset``.
+        """
+        from distribute.input.distributed_dataset import DistributedDataset
+
+        return DistributedDataset.from_dataset(self, dataset, options)
+
+    def distribute_datasets_from_function(self, dataset_fn: Callable, options: Any = None) -> Any:
+        """Builds each worker's input pipeline with ``dataset_fn(InputContext)`` (TF: same name).
+
+        ``dataset_fn`` must batch with the per-replica batch size
+        (``input_context.get_per_replica_batch_size(global_batch_size)``); each of
+        its elements is split between this worker's replicas.
+        """
+        from distribute.input.distributed_dataset import DistributedDataset
+
+        return DistributedDataset.from_function(self, dataset_fn, options)
+
+    # -- internals ---------------------------------------------------------------------
+    def _reduce_one(self, op: ReduceOp, value: Any, axis: int | None) -> Any:
+        if isinstance(value, Mirrored):
+            reduced = _reduce_plain(op, value._array, axis)
+            return reduced * self.num_replicas_in_sync if op is ReduceOp.SUM else reduced
+        if not isinstance(value, PerReplica):
+            if op is ReduceOp.SUM and self.num_replicas_in_sync > 1:
+                raise ValueError(
+                    f"A non-DistributedValues value {value!r} cannot be reduced with "
+                    f"ReduceOp.SUM across {self.num_replicas_in_sync} replicas: the sum "
+                    "would count it once per replica. Reduce a PerReplica value (the "
+                    "output of strategy.run), or use ReduceOp.MEAN."
+                )
+            return _reduce_plain(op, jnp.asarray(value), axis)
+        return _reduce_per_replica(op, value, axis)
+
+    def _gather_one(self, value: Any, axis: int) -> Any:
+        if isinstance(value, PerReplica):
+            return _gather_per_replica(value, axis)
+        if isinstance(value, Mirrored):
+            value = value._array
+        value = jnp.asarray(value)
+        return jnp.concatenate([value] * self.num_replicas_in_sync, axis=axis)
+
+
+def _reduce_plain(op: ReduceOp, value: jax.Array, axis: int | None) -> jax.Array:
+    if axis is None:
+        return value
+    return jnp.sum(value, axis=axis) if op is ReduceOp.SUM else jnp.mean(value, axis=axis)
+
+
+def _check_axis(axis: int, ndim: int) -> int:
+    if not -ndim <= axis < ndim:
+        raise ValueError(f"axis {axis} is out of range for per-replica values of rank {ndim}.")
+    return axis % ndim
+
+
+def _reduce_per_replica(op: ReduceOp, value: PerReplica, axis: int | None) -> jax.Array:
+    array, lengths = value._array, value._lengths
+    ndim = array.ndim - 1
+    if axis is None:
+        if lengths is not None and len(set(lengths.tolist())) > 1:
+            raise ValueError(
+                f"Per-replica values have different batch sizes {lengths.tolist()}, so "
+                "they cannot be combined element-wise (axis=None). Pass axis=0 to reduce "
+                "the batch dim too."
+            )
+        return _jit_reduce_replicas(op.value, array)
+    axis = _check_axis(axis, ndim)
+    if lengths is not None and axis == 0:
+        rows = _gather_per_replica(value, 0)
+        return jnp.sum(rows, axis=0) if op is ReduceOp.SUM else jnp.mean(rows, axis=0)
+    if lengths is not None and len(set(lengths.tolist())) > 1:
+        raise ValueError(
+            f"Per-replica values have different batch sizes {lengths.tolist()}; reducing "
+            f"axis {axis} would leave differently shaped values. Reduce axis 0 as well."
+        )
+    return _jit_reduce_axis(op.value, array, axis + 1)
+
+
+@functools.partial(jax.jit, static_argnums=(0,))
+def _jit_reduce_replicas(op: str, array: jax.Array) -> jax.Array:
+    return jnp.sum(array, axis=0) if op == "SUM" else jnp.mean(array, axis=0)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 2))
+def _jit_reduce_axis(op: str, array: jax.Array, axis: int) -> jax.Array:
+    reduced = jnp.sum(array, axis=(0, axis))
+    if op == "MEAN":
+        reduced = reduced / (array.shape[0] * array.shape[axis])
+    return reduced
+
+
+def _gather_per_replica(value: PerReplica, axis: int) -> jax.Array:
+    array, lengths = value._array, value._lengths
+    ndim = array.ndim - 1
+    if ndim == 0:
+        raise ValueError("strategy.gather needs per-replica values of rank >= 1; got scalars. Use reduce, or expand dims first.")
+    axis = _check_axis(axis, ndim)
+    if lengths is not None:
+        if axis != 0 and len(set(lengths.tolist())) > 1:
+            raise ValueError(
+                f"Per-replica values have different batch sizes {lengths.tolist()}; they "
+                f"can be gathered along axis 0 only, not axis {axis}."
+            )
+        if axis == 0:
+            rows = array.shape[1]
+            index = np.concatenate([r * rows + np.arange(n) for r, n in enumerate(lengths.tolist())]).astype(np.int32)
+            return _jit_take_rows(array, index)
+    return _jit_concat(array, axis)
+
+
+@jax.jit
+def _jit_take_rows(array: jax.Array, index: jax.Array) -> jax.Array:
+    flat = array.reshape((array.shape[0] * array.shape[1], *array.shape[2:]))
+    return jnp.take(flat, index, axis=0)
+
+
+@functools.partial(jax.jit, static_argnums=(1,))
+def _jit_concat(array: jax.Array, axis: int) -> jax.Array:
+    return jnp.concatenate([array[r] for r in range(array.shape[0])], axis=axis)
+
+
+def _require_cross_replica(what: str, fix: str) -> None:
+    if _context.current_replica_context() is not None:
+        raise RuntimeError(
+            f"{what} may only be called in cross-replica context (outside strategy.run); "
+            f"it was called inside the replica function. Inside run, {fix}."
+        )
+
+
+def _device_name(device: jax.Device) -> str:
+    kind = {"cpu": "CPU", "gpu": "GPU", "tpu": "TPU"}.get(device.platform, device.platform.upper())
+    return f"/job:localhost/replica:0/task:{device.process_index}/device:{kind}:{device.id}"
+
+
+# -- the default strategy -----------------------------------------------------------------
+class _DefaultStrategy(Strategy):
+    """The strategy in force when no scope is entered: one replica, no distribution.
+
+    As in TF, ``run`` calls ``fn`` directly, ``reduce`` returns its input, and
+    ``experimental_distribute_dataset`` returns the dataset unchanged.
+    """
+
+    def __init__(self) -> None:
+        super().__init__([jax.local_devices()[0]])
+
+    def scope(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    def run(self, fn: Callable, args: Sequence = (), kwargs: dict | None = None, options: Any = None) -> Any:
+        if not isinstance(args, (tuple, list)):
+            raise TypeError(
+                f"strategy.run: args must be a tuple or list, got {type(args).__name__}; "
+                "wrap a single argument as args=(x,)."
+            )
+        return fn(*args, **(kwargs or {}))
+
+    def reduce(self, reduce_op: ReduceOp | str, value: Any, axis: int | None = None) -> Any:
+        op = ReduceOp.from_value(reduce_op)
+        return jax.tree_util.tree_map(lambda v: _reduce_plain(op, jnp.asarray(v), axis), value)
+
+    def gather(self, value: Any, axis: int) -> Any:
+        return value
+
+    def experimental_distribute_dataset(self, dataset: Any, options: Any = None) -> Any:
+        return dataset
+
+    def distribute_datasets_from_function(self, dataset_fn: Callable, options: Any = None) -> Any:
+        from distribute.input.input_context import InputContext
+
+        return dataset_fn(InputContext())
+
+    def experimental_distribute_values_from_function(self, value_fn: Callable) -> Any:
+        return value_fn(ValueContext(0, 1))
+
+    def __repr__(self) -> str:
+        return "DefaultStrategy()"
+
+
+_DEFAULT: list[_DefaultStrategy] = []
+
+
+def _default_strategy() -> _DefaultStrategy:
+    if not _DEFAULT:
+        _DEFAULT.append(_DefaultStrategy())
+    return _DEFAULT[0]
+
+
+def get_strategy() -> Strategy:
+    """The current strategy: the one whose scope is active, else the default one (TF: same name)."""
+    return _context.scope_strategy() or _default_strategy()
+
+
+def has_strategy() -> bool:
+    """Whether a non-default strategy's scope is active (TF: same name)."""
+    return _context.scope_strategy() is not None
+
+
+def in_cross_replica_context() -> bool:
+    """True inside a strategy's scope and outside ``run`` (TF: same name).
+
+    False outside any scope (the default strategy's replica context) and inside
+    ``run``.
+    """
+    state = _context.state()
+    return state.strategy is not None and state.replica_context is None
+
+
+def get_replica_context():
+    """The current ReplicaContext (TF: same name).
+
+    Inside ``run``: the replica's context.  In a strategy's scope outside ``run``:
+    None (cross-replica context).  Outside any scope: the default strategy's
+    context (one replica).
+    """
+    from distribute.replica import ReplicaContext
+
+    state = _context.state()
+    if state.replica_context is not None:
+        return state.replica_context
+    if state.strategy is not None:
+        return None
+    return ReplicaContext._default(_default_strategy())

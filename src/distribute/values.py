@@ -1,0 +1,188 @@
+"""Distributed values: PerReplica, Mirrored, and the reduction ops.
+
+Internal layout (see DESIGN.md, "How run works"):
+
+* a ``PerReplica`` value is one global ``jax.Array`` of shape
+  ``(num_replicas_in_sync, *per_replica_shape)`` sharded on the mesh axis
+  ``"replica"``: replica ``r`` owns row ``r``.  When the per-replica values are
+  slices of a batch that did not divide evenly, every replica is padded to the
+  same number of rows and ``lengths[r]`` says how many rows of replica ``r`` are
+  real; the padding never leaves this module (``experimental_local_results``,
+  ``gather`` and ``reduce`` use only the real rows);
+* a ``Mirrored`` value is one replicated ``jax.Array`` of the per-replica shape.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import TYPE_CHECKING, Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+if TYPE_CHECKING:  # pragma: no cover
+    from distribute.strategy import Strategy
+
+
+class ReduceOp(enum.Enum):
+    """How values from several replicas are combined (tf.distribute.ReduceOp).
+
+    ``SUM`` adds the replicas' values; ``MEAN`` divides that sum by the number of
+    values combined.  Strings are accepted anywhere a ReduceOp is, in any case:
+    ``"sum"``, ``"MEAN"``.
+    """
+
+    SUM = "SUM"
+    MEAN = "MEAN"
+
+    @staticmethod
+    def from_value(op: "ReduceOp | str") -> "ReduceOp":
+        """Returns ``op`` as a ReduceOp.
+
+        Raises:
+            ValueError: ``op`` names no reduction; the message lists the valid ones.
+        """
+        if isinstance(op, ReduceOp):
+            return op
+        if isinstance(op, str) and op.upper() in ReduceOp.__members__:
+            return ReduceOp[op.upper()]
+        raise ValueError(
+            f"Unknown reduce op {op!r}: a reduce op must be ReduceOp.SUM or "
+            "ReduceOp.MEAN (or the strings 'SUM' / 'MEAN', any case)."
+        )
+
+
+class DistributedValues:
+    """Base class of values that have one component per replica (tf.distribute.DistributedValues).
+
+    ``values`` is the tuple of this worker's components, one per local replica,
+    in replica order.
+    """
+
+    _strategy: "Strategy"
+
+    @property
+    def values(self) -> tuple:
+        return self._local_values()
+
+    def _local_values(self) -> tuple:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        body = ",\n".join(f"  {i}: {v!r}" for i, v in enumerate(self.values))
+        return f"{type(self).__name__}:{{\n{body}\n}}"
+
+
+class PerReplica(DistributedValues):
+    """One possibly different value per replica (tf.distribute's PerReplica).
+
+    Built by the input pipeline and by ``strategy.run``; users can also build one
+    from a tuple of per-replica values, as in TF::
+
+        v = PerReplica((jnp.array([1., 2.]), jnp.array([3., 4.])))  # 2 replicas
+
+    Args:
+        values: one array per local replica of the current strategy, all with the
+            same shape except possibly dim 0.
+
+    Raises:
+        ValueError: the number of values differs from the number of local
+            replicas, or shapes differ beyond dim 0.
+    """
+
+    __slots__ = ("_strategy", "_array", "_lengths", "_cached_local")
+
+    def __init__(self, values: Sequence[Any]):
+        from distribute.strategy import get_strategy
+
+        strategy = get_strategy()
+        values = [np.asarray(v) if not isinstance(v, jax.Array) else v for v in values]
+        num_local = len(strategy.extended._local_devices)
+        if len(values) != num_local:
+            raise ValueError(
+                f"PerReplica got {len(values)} values but the current strategy has "
+                f"{num_local} local replicas; give one value per replica."
+            )
+        array, lengths = stack_padded(values)
+        self._strategy = strategy
+        self._array = strategy.extended._put_per_replica(array)
+        self._lengths = lengths
+        self._cached_local = None
+
+    @classmethod
+    def _from_array(
+        cls, strategy: "Strategy", array: jax.Array, lengths: np.ndarray | None = None
+    ) -> "PerReplica":
+        self = cls.__new__(cls)
+        self._strategy = strategy
+        self._array = array
+        self._lengths = lengths
+        self._cached_local = None
+        return self
+
+    def _local_values(self) -> tuple:
+        if self._cached_local is None:
+            ext = self._strategy.extended
+            shards = sorted(self._array.addressable_shards, key=lambda s: s.index[0].start or 0)
+            out = []
+            for shard in shards:
+                r = shard.index[0].start or 0
+                piece = shard.data[0]
+                if self._lengths is not None:
+                    piece = piece[: int(self._lengths[r])]
+                out.append(piece)
+            assert len(out) == len(ext._local_devices)
+            self._cached_local = tuple(out)
+        return self._cached_local
+
+
+class Mirrored(DistributedValues):
+    """One value, identical on every replica (tf.distribute's Mirrored).
+
+    Backed by one replicated ``jax.Array``; ``values`` repeats it once per local
+    replica.
+    """
+
+    __slots__ = ("_strategy", "_array")
+
+    def __init__(self, value: Any, strategy: "Strategy | None" = None):
+        from distribute.strategy import get_strategy
+
+        self._strategy = strategy or get_strategy()
+        self._array = self._strategy.extended._put_replicated(value)
+
+    def _local_values(self) -> tuple:
+        return tuple(self._array for _ in self._strategy.extended._local_devices)
+
+
+def stack_padded(values: Sequence[Any]) -> tuple[np.ndarray | jax.Array, np.ndarray | None]:
+    """Stacks per-replica values into ``(num_values, *shape)``, padding dim 0.
+
+    Returns the stacked array and, when dim 0 differed, the real row counts.
+
+    Raises:
+        ValueError: the values differ in rank or in a dimension other than dim 0.
+    """
+    shapes = [tuple(v.shape) for v in values]
+    if all(s == shapes[0] for s in shapes):
+        if all(isinstance(v, np.ndarray) for v in values):
+            return np.stack(values), None
+        return jnp.stack(values), None
+    ranks = {len(s) for s in shapes}
+    if len(ranks) != 1 or 0 in ranks or len({s[1:] for s in shapes}) != 1:
+        raise ValueError(
+            f"Per-replica values have shapes {shapes}: they may differ only in dim 0 "
+            "(the batch dim). Make the other dims equal on every replica."
+        )
+    lengths = np.array([s[0] for s in shapes], dtype=np.int64)
+    rows = int(lengths.max())
+    padded = [
+        np.concatenate([np.asarray(v), np.zeros((rows - v.shape[0], *v.shape[1:]), np.asarray(v).dtype)])
+        for v in values
+    ]
+    return np.stack(padded), lengths
+
+
+def is_distributed(value: Any) -> bool:
+    return isinstance(value, DistributedValues)
