@@ -3,51 +3,60 @@
 Pick a strategy, build model, optimizer and metrics inside ``strategy.scope()``,
 then train with Keras ``model.fit`` or a custom loop
 (``experimental_distribute_dataset``, ``run``, ``reduce``).
+
+Importing the package is light: it only makes Keras use JAX; the public names
+load on first use, so a program (like ``python -m distribute train --replicas 4``)
+can still choose the number of CPU devices before JAX starts.
 """
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
 
 from distribute._backend import require_jax_backend as _require_jax_backend
 
 _require_jax_backend()
 
-from distribute import data  # noqa: E402
-from distribute.input import InputContext, InputOptions, InputReplicationMode  # noqa: E402
-from distribute.keras_support.gradients import compute_gradients  # noqa: E402
-from distribute.losses import compute_average_loss, scale_regularization_loss  # noqa: E402
-from distribute.mirrored import MirroredStrategy, OneDeviceStrategy  # noqa: E402
-from distribute.replica import ReplicaContext  # noqa: E402
-from distribute.strategy import (  # noqa: E402
-    Strategy,
-    StrategyExtended,
-    ValueContext,
-    get_replica_context,
-    get_strategy,
-    has_strategy,
-    in_cross_replica_context,
-)
-from distribute.values import DistributedValues, Mirrored, PerReplica, ReduceOp  # noqa: E402
-
 __version__ = "0.1.0"
 
-__all__ = [
-    "DistributedValues",
-    "InputContext",
-    "InputOptions",
-    "InputReplicationMode",
-    "Mirrored",
-    "MirroredStrategy",
-    "OneDeviceStrategy",
-    "PerReplica",
-    "ReduceOp",
-    "ReplicaContext",
-    "Strategy",
-    "StrategyExtended",
-    "ValueContext",
-    "compute_average_loss",
-    "compute_gradients",
-    "data",
-    "get_replica_context",
-    "get_strategy",
-    "has_strategy",
-    "in_cross_replica_context",
-    "scale_regularization_loss",
-]
+_EXPORTS = {
+    "DistributedValues": "distribute.values",
+    "Mirrored": "distribute.values",
+    "PerReplica": "distribute.values",
+    "ReduceOp": "distribute.values",
+    "InputContext": "distribute.input",
+    "InputOptions": "distribute.input",
+    "InputReplicationMode": "distribute.input",
+    "compute_gradients": "distribute.keras_support.gradients",
+    "compute_average_loss": "distribute.losses",
+    "scale_regularization_loss": "distribute.losses",
+    "MirroredStrategy": "distribute.mirrored",
+    "OneDeviceStrategy": "distribute.mirrored",
+    "ReplicaContext": "distribute.replica",
+    "Strategy": "distribute.strategy",
+    "StrategyExtended": "distribute.strategy",
+    "ValueContext": "distribute.strategy",
+    "get_replica_context": "distribute.strategy",
+    "get_strategy": "distribute.strategy",
+    "has_strategy": "distribute.strategy",
+    "in_cross_replica_context": "distribute.strategy",
+}
+_SUBMODULES = {"data", "cluster_resolver", "experimental"}
+
+__all__ = sorted([*_EXPORTS, *_SUBMODULES])
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    elif name in _SUBMODULES:
+        value = importlib.import_module(f"distribute.{name}")
+    else:
+        raise AttributeError(f"module 'distribute' has no attribute {name!r}")
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return __all__

@@ -71,8 +71,10 @@ def enter_scope(strategy: "Strategy") -> Iterator[None]:
 @contextlib.contextmanager
 def enter_replica(strategy: "Strategy", replica_context: "ReplicaContext") -> Iterator[None]:
     current = _STATE.get()
+    # The default strategy's replica context is not a strategy scope (has_strategy() stays False).
+    scoped = None if getattr(strategy, "_is_default", False) else strategy
     token = _STATE.set(
-        _State(strategy=strategy, replica_context=replica_context, scope_depth=current.scope_depth)
+        _State(strategy=scoped, replica_context=replica_context, scope_depth=current.scope_depth)
     )
     try:
         yield

@@ -32,6 +32,8 @@ def compute_average_loss(per_example_loss: Any, sample_weight: Any = None, globa
 
     Raises:
         ValueError: ``global_batch_size`` is not positive.
+        RuntimeError: called in cross-replica context without
+            ``global_batch_size`` (as TF: the replica count is unknown there).
     """
     loss = jnp.asarray(per_example_loss)
     if not jnp.issubdtype(loss.dtype, jnp.floating):
@@ -41,7 +43,7 @@ def compute_average_loss(per_example_loss: Any, sample_weight: Any = None, globa
         if weight.ndim < loss.ndim:
             weight = weight.reshape(weight.shape + (1,) * (loss.ndim - weight.ndim))
         loss = loss * weight
-    context = _context.current_replica_context()
+    context = _replica_context("compute_average_loss", global_batch_size is None)
     num_replicas = 1 if context is None else context.num_replicas_in_sync
     rows = loss.shape[0] if loss.ndim else 1
     mask = None if context is None or loss.ndim == 0 else context._mask_for(rows)
@@ -64,7 +66,22 @@ def scale_regularization_loss(regularization_loss: Any) -> Any:
 
     Each replica adds it once, so the sum over replicas counts it once: with 2
     replicas, 0.4 -> 0.2.
+
+    Raises:
+        RuntimeError: called in cross-replica context (as TF).
     """
-    context = _context.current_replica_context()
+    context = _replica_context("scale_regularization_loss", True)
     num_replicas = 1 if context is None else context.num_replicas_in_sync
     return jnp.asarray(regularization_loss) / num_replicas
+
+
+def _replica_context(what: str, needed: bool):
+    state = _context.state()
+    if needed and state.strategy is not None and state.replica_context is None:
+        raise RuntimeError(
+            f"{what} was called in cross-replica context (inside strategy.scope(), outside "
+            "strategy.run), where the number of replicas sharing the batch is unknown (TF "
+            "raises too). Call it inside the function given to strategy.run"
+            + (", or pass global_batch_size." if what == "compute_average_loss" else ".")
+        )
+    return state.replica_context

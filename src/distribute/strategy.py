@@ -85,9 +85,17 @@ class StrategyExtended:
     def variable_created_in_scope(self, v: Any) -> bool:
         """True when Keras variable ``v`` was created inside this strategy's scope.
 
-        Matches TF's ``StrategyExtended.variable_created_in_scope``.
+        Matches TF's ``StrategyExtended.variable_created_in_scope`` (for the default
+        strategy: created outside every scope).
         """
-        return getattr(v, "_distribute_strategy", None) is self._container_strategy
+        return self._owns(v)
+
+    def _owns(self, obj: Any) -> bool:
+        """Whether ``obj`` (a Keras variable, optimizer or metric) was made in this strategy's scope."""
+        owner = getattr(obj, "_distribute_strategy", None)
+        if owner is None:
+            return isinstance(self._container_strategy, _DefaultStrategy)
+        return owner is self._container_strategy
 
     @contextlib.contextmanager
     def colocate_vars_with(self, colocate_with_variable: Any) -> Iterator[None]:
@@ -204,20 +212,15 @@ class Strategy:
             The structure ``fn`` returns, each array leaf as a PerReplica.
 
         Raises:
-            TypeError: ``args`` is not a tuple or list, or ``kwargs`` not a dict.
+            ValueError: ``args`` is not a tuple or list, or ``kwargs`` not a dict
+                (TF raises ValueError too).
             RuntimeError: called inside another ``run``.
             ValueError: ``fn`` uses a Keras variable created outside this
                 strategy's scope.
         """
         from distribute import tracing
 
-        if not isinstance(args, (tuple, list)):
-            raise TypeError(
-                f"strategy.run: args must be a tuple or list, got {type(args).__name__}; "
-                f"wrap a single argument as args=(x,)."
-            )
-        if kwargs is not None and not isinstance(kwargs, dict):
-            raise TypeError(f"strategy.run: kwargs must be a dict, got {type(kwargs).__name__}.")
+        _check_run_args(args, kwargs)
         if _context.current_replica_context() is not None:
             raise RuntimeError(
                 "strategy.run was called inside another strategy.run (in replica context). "
@@ -237,8 +240,8 @@ class Strategy:
         ``[5,6]``, MEAN, axis 0 -> 3.5.  Works on nested structures.
 
         Raises:
-            ValueError: unknown op; SUM of a non-distributed value with more than
-                one replica (as TF); per-replica shapes differ along dims that
+            ValueError: unknown op; SUM with ``axis=None`` of a non-distributed
+                value with more than one replica (as TF); per-replica shapes differ along dims that
                 ``axis=None`` combines.
             RuntimeError: called inside ``run`` (use ``ReplicaContext.all_reduce``).
         """
@@ -327,14 +330,16 @@ class Strategy:
             reduced = _reduce_plain(op, value._array, axis)
             return reduced * self.num_replicas_in_sync if op is ReduceOp.SUM else reduced
         if not isinstance(value, PerReplica):
-            if op is ReduceOp.SUM and self.num_replicas_in_sync > 1:
+            if op is ReduceOp.SUM and axis is None and self.num_replicas_in_sync > 1:
                 raise ValueError(
                     f"A non-DistributedValues value {value!r} cannot be reduced with "
                     f"ReduceOp.SUM across {self.num_replicas_in_sync} replicas: the sum "
                     "would count it once per replica. Reduce a PerReplica value (the "
                     "output of strategy.run), or use ReduceOp.MEAN."
                 )
-            return _reduce_plain(op, jnp.asarray(value), axis)
+            reduced = _reduce_plain(op, jnp.asarray(value), axis)
+            # TF counts a plain value once per replica when an axis is reduced too.
+            return reduced * self.num_replicas_in_sync if op is ReduceOp.SUM else reduced
         return _reduce_per_replica(op, value, axis)
 
     def _gather_one(self, value: Any, axis: int) -> Any:
@@ -424,6 +429,16 @@ def _jit_concat(array: jax.Array, axis: int) -> jax.Array:
     return jnp.concatenate([array[r] for r in range(array.shape[0])], axis=axis)
 
 
+def _check_run_args(args: Any, kwargs: Any) -> None:
+    if not isinstance(args, (tuple, list)):
+        raise ValueError(
+            f"strategy.run: args must be a tuple or list, got {type(args).__name__}; "
+            "wrap a single argument as args=(x,)."
+        )
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise ValueError(f"strategy.run: kwargs must be a dict, got {type(kwargs).__name__}.")
+
+
 def _require_cross_replica(what: str, fix: str) -> None:
     if _context.current_replica_context() is not None:
         raise RuntimeError(
@@ -441,9 +456,13 @@ def _device_name(device: jax.Device) -> str:
 class _DefaultStrategy(Strategy):
     """The strategy in force when no scope is entered: one replica, no distribution.
 
-    As in TF, ``run`` calls ``fn`` directly, ``reduce`` returns its input, and
-    ``experimental_distribute_dataset`` returns the dataset unchanged.
+    As in TF, ``reduce`` returns its input and ``experimental_distribute_dataset``
+    returns the dataset unchanged.  ``run`` compiles ``fn`` like the other
+    strategies (TF users get that from ``tf.function``), over the default device,
+    with any Keras variables created outside a scope.
     """
+
+    _is_default = True
 
     def __init__(self) -> None:
         super().__init__([jax.local_devices()[0]])
@@ -452,12 +471,12 @@ class _DefaultStrategy(Strategy):
         return contextlib.nullcontext()
 
     def run(self, fn: Callable, args: Sequence = (), kwargs: dict | None = None, options: Any = None) -> Any:
-        if not isinstance(args, (tuple, list)):
-            raise TypeError(
-                f"strategy.run: args must be a tuple or list, got {type(args).__name__}; "
-                "wrap a single argument as args=(x,)."
-            )
-        return fn(*args, **(kwargs or {}))
+        _check_run_args(args, kwargs)
+        from distribute import tracing
+
+        if _context.current_replica_context() is not None:
+            return fn(*args, **(kwargs or {}))
+        return tracing.run(self, fn, tuple(args), dict(kwargs or {}))
 
     def reduce(self, reduce_op: ReduceOp | str, value: Any, axis: int | None = None) -> Any:
         op = ReduceOp.from_value(reduce_op)

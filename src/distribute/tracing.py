@@ -136,8 +136,8 @@ def run(strategy: Any, fn: Callable, args: tuple, kwargs: dict) -> Any:
     if program is None:
         program = _compile(strategy, fn, treedef, kinds, statics, padded_rows, sharded, replicated, valid)
         ext._compiled[key] = program
-    read_vals = [v._value for v in program.read_vars]
-    write_vals = [v._value for v in program.write_vars]
+    read_vals = [_place(v._value, ext._replicated_sharding) for v in program.read_vars]
+    write_vals = [_place(v._value, ext._replicated_sharding) for v in program.write_vars]
     new_vals, outs = program.compiled(read_vals, write_vals, sharded, replicated, valid)
     for var, value in zip(program.write_vars, new_vals):
         var._value = value
@@ -157,8 +157,8 @@ def _compile(strategy, fn, treedef, kinds, statics, padded_rows, sharded, replic
         record = _TraceRecord()
         body = _make_body(strategy, fn, treedef, kinds, statics, padded_rows, read_vars, write_vars, record)
         program_fn = _shard_and_jit(strategy, body, len(write_vars))
-        read_vals = [v._value for v in read_vars]
-        write_vals = [v._value for v in write_vars]
+        read_vals = [_place(v._value, strategy.extended._replicated_sharding) for v in read_vars]
+        write_vals = [_place(v._value, strategy.extended._replicated_sharding) for v in write_vars]
         traced = program_fn.trace(read_vals, write_vals, sharded, replicated, valid)
         # Variables created while tracing (optimizer slots, lazily built layers)
         # were deferred by Keras; give them their values now, outside the trace.
@@ -293,7 +293,7 @@ def _check_ownership(strategy, variables: list) -> None:
     from distribute.keras_support.hooks import describe_owner
 
     for var in variables:
-        if getattr(var, "_distribute_strategy", None) is not strategy:
+        if not strategy.extended._owns(var):
             where = getattr(var, "_distribute_strategy", None)
             made = "outside any strategy.scope()" if where is None else f"in the scope of {where!r}"
             raise ValueError(

@@ -6,7 +6,7 @@ without the `ClusterDef` protocol buffer.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 __all__ = ["ClusterSpec"]
@@ -134,9 +134,6 @@ class ClusterSpec:
         key_values = self.as_dict()
         items = [repr(k) + ": " + repr(key_values[k]) for k in sorted(key_values)]
         return "ClusterSpec({" + ", ".join(items) + "})"
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self.jobs)
 
     def as_dict(self) -> dict[str, list[str | None] | dict[int, str]]:
         """Returns a dictionary from job names to their tasks.

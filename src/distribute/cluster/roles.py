@@ -87,7 +87,9 @@ def validate_task(cluster_spec: ClusterSpec | Mapping, task_type: str, task_id: 
         if single in spec.jobs and spec.num_tasks(single) > 1:
             raise ValueError(
                 f"The cluster has {spec.num_tasks(single)} {single!r} tasks; there must "
-                f"be at most one {single!r} task. Make the others 'worker' tasks."
+                f"be at most one {single!r} task. "
+                + ("Make the others 'worker' tasks." if single == CHIEF
+                   else "Remove the others: one evaluator evaluates every checkpoint.")
             )
     if isinstance(task_id, bool) or not isinstance(task_id, int):
         raise ValueError(

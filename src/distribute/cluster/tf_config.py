@@ -38,6 +38,10 @@ _EXAMPLE = (
     '"task": {"type": "worker", "index": 0}}'
 )
 _VALID_TYPES = "'chief', 'worker', 'ps', 'evaluator'"
+_ONE_FIX = {
+    CHIEF: "Make the others 'worker' tasks.",
+    EVALUATOR: "Remove the others: one evaluator evaluates every checkpoint.",
+}
 _ADDRESS = re.compile(r"^(?P<host>\[[0-9A-Fa-f:.%a-zA-Z]+\]|[A-Za-z0-9_.\-]+):(?P<port>\d{1,5})$")
 _INTEGER = re.compile(r"^[+-]?\d+$")
 
@@ -163,7 +167,7 @@ def _parse_cluster(cluster: Any) -> ClusterSpec:
         if single in jobs and len(jobs[single]) > 1:
             raise ValueError(
                 f"TF_CONFIG['cluster'][{single!r}] has {len(jobs[single])} tasks; there "
-                f"must be at most one {single!r}. Make the others 'worker' tasks."
+                f"must be at most one {single!r}. {_ONE_FIX[single]}"
             )
     spec = ClusterSpec(jobs)
     seen: dict[str, str] = {}

@@ -183,6 +183,8 @@ class GeneratorNode:
 
 @dataclasses.dataclass
 class MapNode:
+    """``map``: grain's map, with tf.data's argument unpacking and numpy outputs."""
+
     parent: Node
     map_func: Callable[..., Any]
 
@@ -194,6 +196,8 @@ class MapNode:
 
 @dataclasses.dataclass
 class FilterNode:
+    """``filter``: grain's filter (its many-filtered warning is switched off)."""
+
     parent: Node
     predicate: Callable[..., Any]
 
@@ -213,6 +217,8 @@ class FilterNode:
 
 @dataclasses.dataclass
 class BatchNode:
+    """``batch``: grain's batch with tf.data's stacking and shape errors."""
+
     parent: Node
     batch_size: int
     drop_remainder: bool
@@ -238,6 +244,8 @@ class ShuffleNode:
 
 @dataclasses.dataclass
 class TakeNode:
+    """``take``: grain's ``LimitIterDataset``."""
+
     parent: Node
     count: int
 
@@ -262,6 +270,8 @@ class SliceNode:
 
 @dataclasses.dataclass
 class RepeatNode:
+    """``repeat``: a new pass of the parent per epoch."""
+
     parent: Node
     count: int | None
 
@@ -271,6 +281,8 @@ class RepeatNode:
 
 @dataclasses.dataclass
 class PrefetchNode:
+    """``prefetch``: grain's thread prefetch."""
+
     parent: Node
     buffer_size: int
 

@@ -103,18 +103,12 @@ def _all_numpy(tree: Any) -> bool:
     return all(_all_numpy(child) for child in children)
 
 
-def _python_scalar_dtype(value: Any) -> np.dtype | None:
-    """The dtype tf.constant gives a Python scalar (or nested list of them)."""
+def _is_python_number(value: Any) -> bool:
+    """Whether ``value`` is a Python number or a (nested) list starting with one."""
     probe = value
     while isinstance(probe, list) and probe:
         probe = probe[0]
-    if isinstance(probe, bool):
-        return np.dtype(np.bool_)
-    if isinstance(probe, int):
-        return None  # int32 when it fits, decided from the values
-    if isinstance(probe, float):
-        return np.dtype(np.float32)
-    return None
+    return isinstance(probe, (int, float)) and not isinstance(probe, np.generic)
 
 
 def to_numpy(value: Any, what: str = "element") -> np.ndarray | np.generic:
@@ -154,7 +148,7 @@ def to_numpy(value: Any, what: str = "element") -> np.ndarray | np.generic:
 
 
 def _convert_array_like(value: Any, what: str) -> np.ndarray:
-    is_python = isinstance(value, (bool, int, float, list))
+    is_python = _is_python_number(value)
     try:
         arr = np.asarray(value)
     except ValueError as err:
@@ -163,12 +157,10 @@ def _convert_array_like(value: Any, what: str) -> np.ndarray:
     if arr.dtype == object:
         raise TypeError(f"{what} of type {type(value).__name__} cannot be converted to a numeric "
                         "array; pass numbers, strings or numpy arrays.")
-    if is_python:
-        wanted = _python_scalar_dtype(value)
-        if wanted is not None:
-            arr = arr.astype(wanted)
-        elif arr.dtype.kind == "i" and (arr.size == 0 or (arr.min() >= _INT32.min and arr.max() <= _INT32.max)):
-            arr = arr.astype(np.int32)
+    if is_python and arr.dtype == np.float64:
+        arr = arr.astype(np.float32)
+    elif is_python and arr.dtype == np.int64 and (arr.size == 0 or _INT32.min <= arr.min() <= arr.max() <= _INT32.max):
+        arr = arr.astype(np.int32)
     return arr
 
 
@@ -257,7 +249,7 @@ def conform(element: Any, signature: Any, index: int) -> Element:
     """
     if isinstance(element, list) and isinstance(signature, tuple):
         element = tuple(element)
-    spec_leaves, spec_def = flatten(signature)
+    spec_leaves, _ = flatten(signature)
     try:
         leaves = unflatten_leaves_like(signature, element)
     except (TypeError, ValueError, KeyError):
@@ -304,5 +296,5 @@ def _describe_raw(element: Any) -> str:
 
 
 def spec_def_str(signature: Any) -> str:
-    return repr(map_structure(lambda s: f"spec(shape={tuple(s.shape)}, dtype={np.dtype(s.dtype)})",
+    return repr(map_structure(lambda s: f"spec(shape={_spec_shape(s)}, dtype={np.dtype(s.dtype)})",
                               signature))

@@ -7,21 +7,22 @@ Datasets built from in-memory arrays (``from_tensor_slices``, ``range``)
 followed only by ``shuffle``/``take``/``skip``/``shard``/``repeat``/``cache``
 and one ``batch`` run on a vectorised index plan (see ``_plan``): a batch is
 one fancy-index per array. Everything else runs on grain ``IterDataset``
-transformations (see ``_pipeline``). Both give the same elements in the same
-order for the same seeds.
+transformations (see ``_pipeline``). Both follow tf.data's semantics; a seeded
+shuffle is reproducible on either path, though the two paths (numpy
+permutations vs grain's window shuffle) give different orders for one seed.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import grain
 import numpy as np
 
-from distribute.data import _cardinality, _checks, _pipeline, _plan, _structure
+from distribute.data import _cardinality, _checks, _pipeline, _plan
 from distribute.data.options import AUTOTUNE, INFINITE_CARDINALITY, UNKNOWN_CARDINALITY, Options
 
 _AUTOTUNE_PREFETCH = 2  # buffer used for prefetch(AUTOTUNE)

@@ -82,7 +82,7 @@ def _optimizer_apply(original):
         context = _context.current_replica_context()
         if context is not None and context._in_program:
             strategy = context.strategy
-            if getattr(self, "_distribute_strategy", None) is not strategy:
+            if not strategy.extended._owns(self):
                 raise ValueError(
                     f"{describe_object(self)} was created outside strategy.scope() and is used "
                     f"inside {strategy!r}.run. Create it inside the scope: "

@@ -1,0 +1,245 @@
+"""The local multi-worker launcher: TF_CONFIG per task, output prefixes, supervision.
+
+Every test bounds its wait: `timeout_seconds` on `launch`, `timeout=` on subprocess waits.
+"""
+
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+import distribute.launch as launch_module
+from distribute.cluster import TFConfigClusterResolver, coordinator_address, worker_index
+from distribute.launch import launch, task_environment
+
+pytestmark = pytest.mark.multiprocess
+
+SRC = str(Path(launch_module.__file__).resolve().parents[1])
+CHILD_ENV = {"PYTHONPATH": os.pathsep.join(p for p in (SRC, os.environ.get("PYTHONPATH")) if p)}
+
+
+def script(tmp_path, body, name="job.py"):
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(body))
+    return str(path)
+
+
+def run(argv, num_workers=2, timeout_seconds=20, **kwargs):
+    kwargs.setdefault("env", CHILD_ENV)
+    return launch(argv, num_workers, timeout_seconds=timeout_seconds, echo=False, **kwargs)
+
+
+def cli(args, timeout=30, env=None):
+    return subprocess.run([sys.executable, "-m", "distribute.launch", *args], capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, **CHILD_ENV, **(env or {})})
+
+
+def test_each_task_gets_its_tf_config_and_prefixed_output(tmp_path):
+    path = script(tmp_path, """
+        import os, sys
+        print("TF_CONFIG=" + os.environ["TF_CONFIG"])
+        print("to stderr", file=sys.stderr)
+    """)
+    result = run([path], num_workers=2, chief=True)
+    assert result.returncode == 0, result.output
+    assert result.exit_codes == {"chief 0": 0, "worker 0": 0, "worker 1": 0}
+    assert result.failed_task is None and not result.timed_out
+    expected = {("chief", 0): (True, 0), ("worker", 0): (False, 1), ("worker", 1): (False, 2)}
+    clusters = []
+    for (task_type, task_id), (chief, index) in expected.items():
+        output = result.task_output(task_type, task_id)
+        prefix = f"[{task_type} {task_id}] "
+        assert all(row.startswith(prefix) for row in output.splitlines()), output
+        assert f"{prefix}to stderr\n" in output
+        text = next(r for r in output.splitlines() if "TF_CONFIG=" in r).split("TF_CONFIG=", 1)[1]
+        resolver = TFConfigClusterResolver.from_tf_config(text)
+        assert (resolver.task_type, resolver.task_id) == (task_type, task_id)
+        assert resolver.is_chief is chief
+        assert worker_index(task_type, task_id, resolver.cluster_spec()) == index
+        clusters.append(resolver.cluster_spec())
+    assert clusters[0] == clusters[1] == clusters[2]
+    assert coordinator_address(clusters[0]) == clusters[0].task_address("chief", 0)
+    addresses = [a for job in ("chief", "worker") for a in clusters[0].job_tasks(job)]
+    assert len(addresses) == 3 == len(set(addresses))
+    assert all(a.startswith("127.0.0.1:") for a in addresses)
+    assert "[worker 1] to stderr\n" in result.output
+
+
+def test_arguments_reach_the_script_and_exit_zero_needs_all(tmp_path):
+    path = script(tmp_path, """
+        import sys
+        print("args", sys.argv[1:])
+    """)
+    result = run([path, "--lr", "0.1", "x y"], num_workers=3)
+    assert result.returncode == 0
+    for i in range(3):
+        assert f"[worker {i}] args ['--lr', '0.1', 'x y']\n" in result.output
+
+
+def test_devices_per_worker_sets_xla_flags_and_cpu(tmp_path):
+    env = task_environment({"XLA_FLAGS": "--xla_dump_to=/tmp/x --xla_force_host_platform_device_count=8",
+                            "JAX_NUM_CPU_DEVICES": "8"}, {"worker": ["127.0.0.1:1"]}, "worker", 0, 3)
+    assert env["XLA_FLAGS"] == "--xla_dump_to=/tmp/x --xla_force_host_platform_device_count=3"
+    assert env["JAX_PLATFORMS"] == "cpu" and env["JAX_NUM_CPU_DEVICES"] == "3"
+    assert json.loads(env["TF_CONFIG"]) == {"cluster": {"worker": ["127.0.0.1:1"]},
+                                             "task": {"type": "worker", "index": 0}}
+    assert "JAX_PLATFORMS" not in task_environment({}, {"worker": ["127.0.0.1:1"]}, "worker", 0)
+
+    path = script(tmp_path, """
+        import jax
+        print("devices", len(jax.local_devices()), jax.local_devices()[0].platform)
+    """)
+    result = run([path], num_workers=2, devices_per_worker=3, timeout_seconds=60)
+    assert result.returncode == 0, result.output
+    assert "[worker 0] devices 3 cpu\n" in result.output
+    assert "[worker 1] devices 3 cpu\n" in result.output
+
+
+def test_failing_task_stops_the_others_quickly_and_is_named(tmp_path):
+    path = script(tmp_path, """
+        import json, os, sys, time
+        task = json.loads(os.environ["TF_CONFIG"])["task"]
+        if task["type"] == "worker" and task["index"] == 1:
+            sys.exit(3)
+        print("waiting", flush=True)
+        time.sleep(60)
+    """)
+    start = time.monotonic()
+    result = run([path], num_workers=3, chief=True, grace_seconds=2.0)
+    assert time.monotonic() - start < 10
+    assert result.returncode == 3
+    assert result.failed_task == "worker 1"
+    assert result.exit_codes["worker 1"] == 3
+    assert all(result.exit_codes[t] == -signal.SIGTERM for t in ("chief 0", "worker 0", "worker 2"))
+    assert "[launch] worker 1 exited with code 3; stopping" in result.output
+
+
+def test_task_ignoring_sigterm_is_killed_after_grace(tmp_path):
+    path = script(tmp_path, """
+        import json, os, signal, sys, time
+        task = json.loads(os.environ["TF_CONFIG"])["task"]
+        if task["index"] == 1:
+            time.sleep(0.5)
+            sys.exit(1)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        time.sleep(60)
+    """)
+    start = time.monotonic()
+    result = run([path], num_workers=2, grace_seconds=0.5)
+    assert time.monotonic() - start < 10
+    assert result.returncode == 1 and result.failed_task == "worker 1"
+    assert result.exit_codes["worker 0"] == -signal.SIGKILL
+
+
+def test_timeout_stops_every_task(tmp_path):
+    path = script(tmp_path, "import time\ntime.sleep(60)\n")
+    start = time.monotonic()
+    result = run([path], num_workers=2, timeout_seconds=1.0, grace_seconds=1.0)
+    assert time.monotonic() - start < 10
+    assert result.timed_out and result.returncode == 124
+    assert "[launch] timed out after 1.0 s; stopping worker 0, worker 1" in result.output
+    assert all(code == -signal.SIGTERM for code in result.exit_codes.values())
+
+
+def test_launch_validates_arguments():
+    with pytest.raises(ValueError, match="num_workers is 0; it must be an integer >= 1"):
+        launch(["x.py"], 0)
+    with pytest.raises(ValueError, match="devices_per_worker is 0"):
+        launch(["x.py"], 1, devices_per_worker=0)
+    with pytest.raises(ValueError, match="argv_or_command is empty"):
+        launch([], 1)
+
+
+def test_split_argv_keeps_program_arguments():
+    split = launch_module._split_argv
+    assert split(["--num-workers", "2", "-m", "pkg.mod", "--num-workers", "5"]) == (
+        ["--num-workers", "2"], ["-m", "pkg.mod", "--num-workers", "5"])
+    assert split(["--num-workers=2", "--chief", "train.py", "-v"]) == (
+        ["--num-workers=2", "--chief"], ["train.py", "-v"])
+
+
+def test_cli_script_success(tmp_path):
+    ok = script(tmp_path, "import sys\nprint('hello', sys.argv[1])\n", "ok.py")
+    done = cli(["--num-workers", "2", "--chief", ok, "there"])
+    assert done.returncode == 0, done.stderr
+    for task in ("chief 0", "worker 0", "worker 1"):
+        assert f"[{task}] hello there\n" in done.stdout
+
+
+def test_main_failure_names_the_task(tmp_path, capsys):
+    bad = script(tmp_path, """
+        import json, os, sys, time
+        if json.loads(os.environ["TF_CONFIG"])["task"]["index"] == 0:
+            sys.exit(7)
+        time.sleep(60)
+    """, "bad.py")
+    start = time.monotonic()
+    assert launch_module.main(["--num-workers", "2", "--timeout-seconds", "20", bad]) == 7
+    assert time.monotonic() - start < 10
+    assert "[launch] worker 0 exited with code 7" in capsys.readouterr().err
+
+
+def test_main_module_and_timeout(tmp_path, capsys, monkeypatch):
+    (tmp_path / "mymod.py").write_text("import os, sys\nprint('module', sys.argv[1:], os.environ['JAX_PLATFORMS'])\n")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), CHILD_ENV["PYTHONPATH"]]))
+    assert launch_module.main(["--num-workers", "2", "--devices-per-worker", "2", "-m", "mymod", "--flag"]) == 0
+    assert "[worker 1] module ['--flag'] cpu\n" in capsys.readouterr().out
+
+    slow = script(tmp_path, "import time\ntime.sleep(60)\n", "slow.py")
+    assert launch_module.main(["--num-workers", "1", "--timeout-seconds", "0.5", slow]) == 124
+    assert "timed out" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        launch_module.main(["--num-workers", "2"])
+    assert "give the program to run" in capsys.readouterr().err
+
+
+# Runs launch.py as a plain file, so the test does not pay for importing the package.
+STANDALONE = (
+    "import importlib.util, sys; spec = importlib.util.spec_from_file_location('launch', sys.argv[1]); "
+    "m = importlib.util.module_from_spec(spec); sys.modules['launch'] = m; spec.loader.exec_module(m); "
+    "sys.exit(m.main(sys.argv[2:]))"
+)
+
+
+def test_ctrl_c_is_forwarded_to_every_task(tmp_path):
+    path = script(tmp_path, """
+        import time
+        print("ready", flush=True)
+        try:
+            time.sleep(60)
+        except KeyboardInterrupt:
+            print("interrupted", flush=True)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", STANDALONE, launch_module.__file__, "--num-workers", "2", path],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: queue.Queue = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True).start()
+    seen = []
+    try:
+        deadline = time.monotonic() + 20
+        while sum("ready" in line for line in seen) < 2:
+            assert time.monotonic() < deadline and proc.poll() is None, "".join(seen)
+            try:
+                seen.append(lines.get(timeout=0.1))
+            except queue.Empty:
+                pass
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=15) == 130
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=5)
+    time.sleep(0.2)
+    while not lines.empty():
+        seen.append(lines.get_nowait())
+    text = "".join(seen)
+    assert "[worker 0] interrupted" in text and "[worker 1] interrupted" in text
+    assert "got SIGINT; forwarding it to every task" in text
