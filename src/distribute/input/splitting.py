@@ -12,7 +12,6 @@ with the value and become the replica context's example mask.
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import numpy as np
 

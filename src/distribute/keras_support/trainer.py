@@ -23,18 +23,15 @@ import functools
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.sharding import PartitionSpec as P
-from keras.src import backend as keras_backend
+from jax.sharding import NamedSharding, PartitionSpec as P
 from keras.src import tree
-from keras.src.trainers.data_adapters import data_adapter_utils
 
 from distribute import _context
 from distribute.input.splitting import split_batch
-from distribute.replica import ReplicaContext
-from distribute.tracing import _check_ownership, _combine_replicas, sum_gradients
+from distribute.keras_support import steps
+from distribute.tracing import _check_ownership
 
 AXIS = "replica"
 _EXACT_REDUCTIONS = {"sum_over_batch_size": "mean", "mean": "mean", "sum": "sum"}
@@ -100,98 +97,17 @@ def _routed(original, builder):
 
 
 # -- placing batches ------------------------------------------------------------------
-def _place_batch(strategy: Any, data: Any, rows_seen: list[int]) -> tuple[Any, list, Any, np.ndarray | None]:
-    """Splits one Keras batch between the replicas and puts it on their devices.
+def _split(strategy: Any, data: Any, rows_seen: list[int]) -> tuple[Any, list[np.ndarray], np.ndarray | None]:
+    """Splits one Keras batch between the replicas: ``(treedef, (replicas, rows, ...) leaves, lengths)``.
 
     Every replica is padded to the most rows seen so far by this function (the
     first, full batch's share), so the last, partial batch reuses the compiled step.
     """
-    ext = strategy.extended
     leaves, treedef = jax.tree_util.tree_flatten(data)
     leaves = [np.asarray(x) for x in leaves]
     rows_seen[0] = max(rows_seen[0], -(-leaves[0].shape[0] // strategy.num_replicas_in_sync))
-    stacked, lengths = split_batch(leaves, len(ext._local_devices), rows_seen[0])
-    placed = [ext._put_per_replica(x) for x in stacked]
-    valid = None if lengths is None else ext._put_per_replica(lengths.astype(np.int32))
-    return treedef, placed, valid, lengths
-
-
-def _unpack(treedef: Any, local_leaves: list) -> tuple:
-    data = jax.tree_util.tree_unflatten(treedef, local_leaves)
-    return data_adapter_utils.unpack_x_y_sample_weight(data)
-
-
-def _weights(model, x, sample_weight, valid, rows, num_replicas):
-    """Per-row weights for the loss (sum over replicas = whole-batch loss) and for metrics."""
-    if valid is None:
-        mask = jnp.ones((rows,), jnp.float32)
-        global_rows = jnp.asarray(rows * num_replicas, jnp.float32)
-    else:
-        mask = (jnp.arange(rows) < valid[0]).astype(jnp.float32)
-        global_rows = lax.psum(valid[0], AXIS).astype(jnp.float32)
-    scale = rows / jnp.maximum(global_rows, 1.0)
-
-    def combine(weight, factor):
-        if weight is None:
-            return factor
-        weight = jnp.asarray(weight, jnp.float32)
-        return factor.reshape(factor.shape + (1,) * (weight.ndim - 1)) * weight
-
-    loss_weight = tree.map_structure(lambda w: combine(w, mask * scale), sample_weight) if sample_weight is not None else mask * scale
-    metric_weight = tree.map_structure(lambda w: combine(w, mask), sample_weight) if sample_weight is not None else mask
-    return loss_weight, metric_weight, mask, global_rows
-
-
-def _check_reductions(model: Any) -> None:
-    compile_loss = getattr(model, "_compile_loss", None)
-    for entry in getattr(compile_loss, "_flat_losses", None) or []:
-        reduction = getattr(entry[1], "reduction", "sum_over_batch_size")
-        if reduction not in _EXACT_REDUCTIONS:
-            raise NotImplementedError(
-                f"Loss {getattr(entry[1], 'name', entry[1])!r} has reduction={reduction!r}, which "
-                "distributed fit cannot split exactly between replicas. Use "
-                "reduction='sum_over_batch_size' (the default) or 'sum'."
-            )
-        if _EXACT_REDUCTIONS[reduction] == "sum":
-            raise NotImplementedError(
-                "reduction='sum' is not supported by distributed fit yet; use the default "
-                "reduction='sum_over_batch_size'."
-            )
-
-
-def _loss(model, trainable, non_trainable, metrics_vars, x, y, loss_weight, training, num_replicas):
-    kwargs = {"training": training} if model._call_has_training_arg else {}
-    y_pred, non_trainable, layer_losses = model.stateless_call(trainable, non_trainable, x, return_losses=True, **kwargs)
-    if layer_losses:
-        # Every replica adds the layers' losses; each adds its share.
-        model._losses_override = [loss / num_replicas for loss in layer_losses]
-    loss, (trainable, non_trainable, metrics_vars) = model.stateless_compute_loss(
-        trainable, non_trainable, metrics_vars, x=x, y=y, y_pred=y_pred, sample_weight=loss_weight, training=training
-    )
-    if layer_losses:
-        model._losses_override = []
-    _check_reductions(model)
-    return loss, y_pred, non_trainable, metrics_vars
-
-
-def _update_metrics(model, metrics_vars, global_loss, global_rows, x, y, y_pred, metric_weight):
-    first = lax.axis_index(AXIS) == 0
-    mapping = list(zip(model.metrics_variables, metrics_vars))
-    with keras_backend.StatelessScope(state_mapping=mapping) as scope:
-        model._loss_tracker.update_state(global_loss, sample_weight=jnp.where(first, global_rows, 0.0))
-        model.compute_metrics(x, y, y_pred, metric_weight)
-    new = []
-    for ref, old in zip(model.metrics_variables, metrics_vars):
-        value = scope.get_current_value(ref)
-        new.append(old if value is None else value)
-    new = [_combine_replicas(ref, value, old) for ref, value, old in zip(model.metrics_variables, new, metrics_vars)]
-    with keras_backend.StatelessScope(state_mapping=list(zip(model.metrics_variables, new))):
-        logs = model.get_metrics_result()
-    return logs, new
-
-
-def _replica_context(strategy, valid, rows):
-    return ReplicaContext(strategy, in_program=True, valid_count=None if valid is None else valid[0], padded_rows=rows)
+    stacked, lengths = split_batch(leaves, len(strategy.extended._local_devices), rows_seen[0])
+    return treedef, stacked, lengths
 
 
 def _check_supported(model: Any, method: str) -> None:
@@ -219,77 +135,92 @@ def _state_variables(model, parts):
     return out
 
 
-def _compiled_step(strategy, step, result_spec=P()):
-    """shard_map + jit of ``step(state, data, valid) -> (result, state)``; state replicated and donated."""
-    mesh = strategy.extended._mesh
-    mapped = jax.shard_map(step, mesh=mesh, in_specs=(P(), P(AXIS), P(AXIS)), out_specs=(result_spec, P()))
-    return jax.jit(mapped, donate_argnums=(0,))
+class _StepRunner:
+    """Runs Keras' ``*_function(state, iterator)`` contract with compiled SPMD steps.
+
+    ``build_step(treedef, rows)`` returns ``step(state, leaves, valid) ->
+    (result, state)`` for one replica.  Each input signature is compiled once:
+    one program for full batches, one for a padded batch, and, with
+    ``steps_per_execution = K > 1``, one that runs K full batches in a
+    ``lax.scan`` (TF's steps_per_execution: one dispatch for K steps).
+    """
+
+    def __init__(self, model: Any, strategy: Any, build_step: Any, variables: list, result_spec: Any = P(), multi_step: bool = True):
+        self.model, self.strategy, self.build_step = model, strategy, build_step
+        self.variables, self.result_spec, self.multi_step = variables, result_spec, multi_step
+        self.cache: dict = {}
+        self.rows_seen = [0]
+
+    def _compiled(self, treedef: Any, placed: list, valid: Any, steps: int) -> Any:
+        key = (treedef, tuple((p.shape, p.dtype) for p in placed), valid is None, steps)
+        if key not in self.cache:
+            _check_ownership(self.strategy, self.variables)
+            rows = placed[0].shape[1 if steps == 1 else 2]
+            step = self.build_step(treedef, rows)
+            mesh = self.strategy.extended._mesh
+            if steps == 1:
+                mapped = jax.shard_map(step, mesh=mesh, in_specs=(P(), P(AXIS), P(AXIS)), out_specs=(self.result_spec, P()))
+            else:
+                def scanned(state, stacked):
+                    def body(carry, leaves):
+                        result, carry = step(carry, leaves, None)
+                        return carry, result
+
+                    state, results = lax.scan(body, state, stacked)
+                    return jax.tree_util.tree_map(lambda r: r[-1], results), state
+
+                mapped = jax.shard_map(scanned, mesh=mesh, in_specs=(P(), P(None, AXIS)), out_specs=(self.result_spec, P()))
+            self.cache[key] = jax.jit(mapped, donate_argnums=(0,))
+        return self.cache[key]
+
+    def __call__(self, state: Any, iterator: Any) -> tuple[list, Any]:
+        """Runs up to ``steps_per_execution`` steps; StopIteration when the data is exhausted.
+
+        Returns ``[(result, lengths), ...]`` (one entry per compiled call) and the state.
+        """
+        steps = max(int(self.model.steps_per_execution), 1)
+        batches = []
+        for _ in range(steps):
+            try:
+                batches.append(next(iterator))
+            except StopIteration:
+                if not batches:
+                    raise
+                break
+        split = [_split(self.strategy, data, self.rows_seen) for data in batches]
+        if self.multi_step and steps > 1 and len(split) == steps and all(lengths is None and treedef == split[0][0] for treedef, _, lengths in split):
+            stacked = [_put_steps(self.strategy, np.stack([host[j] for _, host, _ in split])) for j in range(len(split[0][1]))]
+            result, state = self._compiled(split[0][0], stacked, None, steps)(state, stacked)
+            return [(result, None)], state
+        ext = self.strategy.extended
+        outputs = []
+        for treedef, host, lengths in split:
+            leaves = [ext._put_per_replica(x) for x in host]
+            valid = None if lengths is None else ext._put_per_replica(lengths.astype(np.int32))
+            result, state = self._compiled(treedef, leaves, valid, 1)(state, leaves, valid)
+            outputs.append((result, lengths))
+        return outputs, state
 
 
-def _loop(model, strategy, compiled_for, rows_seen, state, iterator):
-    """Runs up to ``steps_per_execution`` steps; StopIteration when the data is exhausted."""
-    outputs = []
-    for _ in range(max(int(model.steps_per_execution), 1)):
-        try:
-            data = next(iterator)
-        except StopIteration:
-            if not outputs:
-                raise
-            break
-        treedef, placed, valid, lengths = _place_batch(strategy, data, rows_seen)
-        compiled = compiled_for(treedef, placed, valid)
-        result, state = compiled(state, placed, valid)
-        outputs.append((result, lengths))
-    return outputs, state
+def _put_steps(strategy: Any, stacked: np.ndarray) -> jax.Array:
+    """Places ``(steps, replicas, rows, ...)`` host data, sharded on the replica dim."""
+    ext = strategy.extended
+    sharding = NamedSharding(ext._mesh, P(None, AXIS))
+    if jax.process_count() == 1:
+        return jax.device_put(stacked, sharding)
+    global_shape = (stacked.shape[0], len(ext._devices), *stacked.shape[2:])
+    return jax.make_array_from_process_local_data(sharding, stacked, global_shape)
 
 
 def _make_train_function(model, strategy, force):
     if model.train_function is not None and not force:
         return model.train_function
     _check_supported(model, "train_step")
-    num_replicas = strategy.num_replicas_in_sync
-    cache: dict = {}
-    rows_seen = [0]
-
-    def compiled_for(treedef, placed, valid):
-        key = (treedef, tuple((p.shape, p.dtype) for p in placed), valid is None)
-        if key not in cache:
-            _check_ownership(strategy, [v for part in _state_variables(model, ("trainable", "non_trainable", "optimizer", "metrics")) for v in part])
-            rows = placed[0].shape[1]
-            variables = _state_variables(model, ("trainable", "non_trainable", "optimizer", "metrics"))
-
-            def step(state, leaves, valid_):
-                trainable, non_trainable, opt_vars, metrics_vars = state
-                x, y, sample_weight = _unpack(treedef, [leaf[0] for leaf in leaves])
-                loss_weight, metric_weight, _, global_rows = _weights(model, x, sample_weight, valid_, rows, num_replicas)
-                with _context.enter_replica(strategy, _replica_context(strategy, valid_, rows)):
-
-                    def loss_fn(trainable_):
-                        loss, y_pred, non_trainable_, metrics_ = _loss(model, trainable_, non_trainable, metrics_vars, x, y, loss_weight, True, num_replicas)
-                        unscaled = loss
-                        if model.optimizer is not None:
-                            mapping = list(zip(model.optimizer.variables, opt_vars))
-                            with keras_backend.StatelessScope(state_mapping=mapping):
-                                loss = model.optimizer.scale_loss(loss)
-                        return loss, (unscaled, y_pred, non_trainable_, metrics_)
-
-                    (_, (loss, y_pred, new_non_trainable, metrics_vars2)), grads = jax.value_and_grad(loss_fn, has_aux=True)(trainable)
-                    global_loss = lax.psum(loss, AXIS)
-                    logs, new_metrics = _update_metrics(model, metrics_vars2, global_loss, global_rows, x, y, y_pred, metric_weight)
-                # The variables are replicated, so JAX's autodiff has already summed their
-                # gradients over replicas; apply outside the replica context (the
-                # hooked optimizer would check again).
-                grads = sum_gradients(grads)
-                new_trainable, new_opt = model.optimizer.stateless_apply(opt_vars, grads, trainable)
-                new_non_trainable = [_combine_replicas(v, n, o) for v, n, o in zip(variables[1], new_non_trainable, non_trainable)]
-                new_opt = [_combine_replicas(v, n, o) for v, n, o in zip(variables[2], new_opt, opt_vars)]
-                return logs, (list(new_trainable), new_non_trainable, new_opt, new_metrics)
-
-            cache[key] = _compiled_step(strategy, step)
-        return cache[key]
+    variables = _state_variables(model, ("trainable", "non_trainable", "optimizer", "metrics"))
+    runner = _StepRunner(model, strategy, lambda treedef, rows: steps.train_step(model, strategy, variables, treedef, rows), [v for part in variables for v in part])
 
     def train_function(state, iterator):
-        outputs, state = _loop(model, strategy, compiled_for, rows_seen, state, iterator)
+        outputs, state = runner(state, iterator)
         return outputs[-1][0], state
 
     model.train_function = train_function
@@ -300,33 +231,11 @@ def _make_test_function(model, strategy, force):
     if model.test_function is not None and not force:
         return model.test_function
     _check_supported(model, "test_step")
-    num_replicas = strategy.num_replicas_in_sync
-    cache: dict = {}
-    rows_seen = [0]
-
-    def compiled_for(treedef, placed, valid):
-        key = (treedef, tuple((p.shape, p.dtype) for p in placed), valid is None)
-        if key not in cache:
-            variables = _state_variables(model, ("trainable", "non_trainable", "metrics"))
-            _check_ownership(strategy, [v for part in variables for v in part])
-            rows = placed[0].shape[1]
-
-            def step(state, leaves, valid_):
-                trainable, non_trainable, metrics_vars = state
-                x, y, sample_weight = _unpack(treedef, [leaf[0] for leaf in leaves])
-                loss_weight, metric_weight, _, global_rows = _weights(model, x, sample_weight, valid_, rows, num_replicas)
-                with _context.enter_replica(strategy, _replica_context(strategy, valid_, rows)):
-                    loss, y_pred, new_non_trainable, metrics_vars = _loss(model, trainable, non_trainable, metrics_vars, x, y, loss_weight, False, num_replicas)
-                    global_loss = lax.psum(loss, AXIS)
-                    logs, new_metrics = _update_metrics(model, metrics_vars, global_loss, global_rows, x, y, y_pred, metric_weight)
-                new_non_trainable = [_combine_replicas(v, n, o) for v, n, o in zip(variables[1], new_non_trainable, non_trainable)]
-                return logs, (list(trainable), new_non_trainable, new_metrics)
-
-            cache[key] = _compiled_step(strategy, step)
-        return cache[key]
+    variables = _state_variables(model, ("trainable", "non_trainable", "metrics"))
+    runner = _StepRunner(model, strategy, lambda treedef, rows: steps.test_step(model, strategy, variables, treedef, rows), [v for part in variables for v in part])
 
     def test_function(state, iterator):
-        outputs, state = _loop(model, strategy, compiled_for, rows_seen, state, iterator)
+        outputs, state = runner(state, iterator)
         return outputs[-1][0], state
 
     model.test_function = test_function
@@ -337,31 +246,11 @@ def _make_predict_function(model, strategy, force):
     if model.predict_function is not None and not force:
         return model.predict_function
     _check_supported(model, "predict_step")
-    cache: dict = {}
-    rows_seen = [0]
-
-    def compiled_for(treedef, placed, valid):
-        key = (treedef, tuple((p.shape, p.dtype) for p in placed), valid is None)
-        if key not in cache:
-            variables = _state_variables(model, ("trainable", "non_trainable"))
-            _check_ownership(strategy, [v for part in variables for v in part])
-            rows = placed[0].shape[1]
-
-            def step(state, leaves, valid_):
-                trainable, non_trainable = state
-                x, _, _ = _unpack(treedef, [leaf[0] for leaf in leaves])
-                kwargs = {"training": False} if model._call_has_training_arg else {}
-                with _context.enter_replica(strategy, _replica_context(strategy, valid_, rows)):
-                    outputs, new_non_trainable = model.stateless_call(trainable, non_trainable, x, **kwargs)
-                outputs = tree.map_structure(lambda o: o[None], outputs)
-                new_non_trainable = [_combine_replicas(v, n, o) for v, n, o in zip(variables[1], new_non_trainable, non_trainable)]
-                return outputs, (list(trainable), new_non_trainable)
-
-            cache[key] = _compiled_step(strategy, step, P(AXIS))
-        return cache[key]
+    variables = _state_variables(model, ("trainable", "non_trainable"))
+    runner = _StepRunner(model, strategy, lambda treedef, rows: steps.predict_step(model, strategy, variables, treedef, rows), [v for part in variables for v in part], P(AXIS), multi_step=False)
 
     def predict_function(state, iterator):
-        outputs, state = _loop(model, strategy, compiled_for, rows_seen, state, iterator)
+        outputs, state = runner(state, iterator)
         pieces = [tree.map_structure(lambda o: _real_rows(np.asarray(o), lengths), result) for result, lengths in outputs]
         if len(pieces) == 1:
             return pieces[0], state
