@@ -139,12 +139,53 @@ class StrategyExtended:
         """This worker's share of a dataset (all of it with one worker)."""
         return dataset
 
+    def _dataset_batches(self, dataset: Any, rows_per_replica: int) -> Iterator[tuple[list, Any, np.ndarray | None]]:
+        """This worker's batches of a globally batched dataset, split between its replicas.
+
+        Yields ``(stacked, treedef, lengths)``: arrays ``(num_local_replicas,
+        rows_per_replica, ...)``, the element structure, and the real row count of
+        every replica in the job (None when nothing is padded).
+        """
+        from distribute.input.splitting import split_batch
+
+        num_local = len(self._local_devices)
+        for element in self._shard_dataset(dataset):
+            leaves, treedef = jax.tree_util.tree_flatten(element)
+            stacked, lengths = split_batch(leaves, num_local, rows_per_replica)
+            yield stacked, treedef, lengths
+
+    def _dataset_cardinality(self, dataset: Any) -> int:
+        """Steps in one pass of ``experimental_distribute_dataset(dataset)``."""
+        return dataset.cardinality()
+
+    def _agree(self, batches: Iterator[tuple[list, Any, np.ndarray | None]]) -> Iterator[tuple[list, Any, np.ndarray | None]]:
+        """Makes every worker take the same number of steps (one worker: nothing to agree on)."""
+        return batches
+
     def _put_per_replica(self, stacked: Any) -> jax.Array:
-        """Places a stacked ``(num_local_replicas, ...)`` host value as a global per-replica array."""
+        """Places a stacked host value as a global per-replica array.
+
+        ``stacked`` is ``(num_local_replicas, ...)``, or ``(num_replicas_in_sync,
+        ...)`` (every replica's row; only this worker's rows are used).
+        """
         if jax.process_count() == 1:
             return jax.device_put(stacked, self._per_replica_sharding)
+        stacked = np.asarray(stacked)
+        if stacked.shape[0] == len(self._devices):
+            stacked = self._local_rows(stacked)
         global_shape = (len(self._devices), *stacked.shape[1:])
-        return jax.make_array_from_process_local_data(self._per_replica_sharding, np.asarray(stacked), global_shape)
+        return jax.make_array_from_process_local_data(self._per_replica_sharding, stacked, global_shape)
+
+    def _local_rows(self, stacked: Any) -> Any:
+        """This worker's rows of a ``(num_replicas_in_sync, ...)`` host value."""
+        if len(self._local_devices) == len(self._devices):
+            return stacked
+        first = self._devices.index(self._local_devices[0])
+        return stacked[first : first + len(self._local_devices)]
+
+    def _to_host(self, array: Any) -> np.ndarray:
+        """The whole value of a (possibly multi-worker) array as numpy."""
+        return np.asarray(array)
 
     def _put_replicated(self, value: Any) -> jax.Array:
         if isinstance(value, DistributedValues):
@@ -326,8 +367,9 @@ class Strategy:
 
     # -- internals ---------------------------------------------------------------------
     def _reduce_one(self, op: ReduceOp, value: Any, axis: int | None) -> Any:
-        if isinstance(value, Mirrored):
-            reduced = _reduce_plain(op, value._array, axis)
+        mirrored_variable = getattr(value, "_distribute_strategy", None) is self and hasattr(value, "value")
+        if isinstance(value, Mirrored) or mirrored_variable:
+            reduced = _reduce_plain(op, value.value if mirrored_variable else value._array, axis)
             return reduced * self.num_replicas_in_sync if op is ReduceOp.SUM else reduced
         if not isinstance(value, PerReplica):
             if op is ReduceOp.SUM and axis is None and self.num_replicas_in_sync > 1:

@@ -1,0 +1,123 @@
+"""The README's examples and the main job, run as a user runs them (subprocesses)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _run(args, tmp_path, timeout=600, env_extra=None):
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "KERAS_BACKEND")}
+    env.update(env_extra or {})
+    return subprocess.run(
+        [sys.executable, *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def test_keras_fit_example_trains(tmp_path):
+    result = _run([str(ROOT / "examples" / "keras_fit.py"), "--epochs", "3"], tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "Number of devices: 2" in result.stdout
+    line = [l for l in result.stdout.splitlines() if l.startswith("final loss:")][-1]
+    final, first = float(line.split()[2]), float(line.split()[-1].rstrip(")"))
+    assert final < first / 10
+
+
+def test_custom_loop_example_trains(tmp_path):
+    result = _run([str(ROOT / "examples" / "custom_loop.py"), "--epochs", "3"], tmp_path)
+    assert result.returncode == 0, result.stderr
+    epochs = [l for l in result.stdout.splitlines() if l.startswith("Epoch ")]
+    assert len(epochs) == 3
+    losses = [float(l.split("Loss: ")[1].split(",")[0]) for l in epochs]
+    assert losses[-1] < losses[0]
+    assert float(epochs[-1].split("Test Accuracy: ")[1]) > 80.0
+
+
+@pytest.mark.parametrize("replicas,mode", [(1, "fit"), (2, "fit"), (4, "fit"), (2, "custom")])
+def test_main_job_reaches_095_on_digits(tmp_path, replicas, mode):
+    out = tmp_path / "out"
+    result = _run(
+        ["-m", "distribute", "train", "--replicas", str(replicas), "--mode", mode, "--verbose", "0", "--output", str(out)],
+        tmp_path,
+    )
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.strip().splitlines()
+    assert lines[0].startswith(f"strategy: MirroredStrategy, replicas: {replicas}")
+    assert lines[-1].startswith("test accuracy: ")
+    assert float(lines[-1].split(": ")[1]) >= 0.95
+    assert sum(l.startswith("epoch ") and "examples/s" in l for l in lines) == 20
+    history = json.loads((out / "history.json").read_text())
+    assert len(history["history"]["loss"]) == 20
+    assert history["history"]["loss"][-1] < history["history"]["loss"][0]
+    assert (out / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (out / "model.keras").stat().st_size > 0
+
+
+def test_main_job_fit_gives_the_same_answer_on_1_and_2_replicas(tmp_path):
+    accuracies = []
+    for replicas in (1, 2):
+        out = tmp_path / f"out{replicas}"
+        result = _run(["-m", "distribute", "train", "--replicas", str(replicas), "--epochs", "3", "--verbose", "0", "--output", str(out)], tmp_path)
+        assert result.returncode == 0, result.stderr
+        accuracies.append(json.loads((out / "history.json").read_text())["history"]["loss"])
+    np.testing.assert_allclose(accuracies[0], accuracies[1], rtol=1e-4)
+
+
+def test_main_job_reads_an_mnist_npz(tmp_path):
+    rng = np.random.default_rng(0)
+    x_train = rng.integers(0, 256, (300, 28, 28), dtype=np.uint8)
+    y_train = rng.integers(0, 10, 300).astype(np.uint8)
+    np.savez(tmp_path / "mnist.npz", x_train=x_train, y_train=y_train, x_test=x_train[:50], y_test=y_train[:50])
+    result = _run(["-m", "distribute", "train", "--data", "mnist.npz", "--epochs", "1", "--verbose", "0", "--output", "o"], tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "300 train / 50 test examples, 784 features" in result.stdout
+    assert result.stdout.strip().splitlines()[-1].startswith("test accuracy: ")
+
+
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["--replicas", "0"], "--replicas 0"),
+        (["--strategy", "nope"], "invalid choice: 'nope'"),
+        (["--epochs", "-1"], "--epochs -1"),
+        (["--strategy", "one_device", "--replicas", "2"], "needs --strategy mirrored"),
+        (["--global-batch-size", "x"], "invalid int value: 'x'"),
+    ],
+)
+def test_main_job_bad_flags_exit_2_with_one_line(tmp_path, args, needle):
+    result = _run(["-m", "distribute", "train", *args], tmp_path, timeout=60)
+    assert result.returncode == 2
+    assert result.stdout == ""
+    assert len(result.stderr.strip().splitlines()) == 1
+    assert needle in result.stderr
+
+
+@pytest.mark.parametrize(
+    "content,needle",
+    [(None, "No such file"), (b"not an npz", "cannot read --data"), ("missing", "missing arrays")],
+)
+def test_main_job_unreadable_data_exits_1_with_one_line(tmp_path, content, needle):
+    path = tmp_path / "data.npz"
+    if content == "missing":
+        np.savez(path, x_train=np.zeros((3, 4)))
+    elif content is not None:
+        path.write_bytes(content)
+    result = _run(["-m", "distribute", "train", "--data", str(path), "--output", "o"], tmp_path, timeout=120)
+    assert result.returncode == 1
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert needle in result.stderr
+    assert not (tmp_path / "o" / "model.keras").exists()
+
+
+def test_readme_quick_start_matches_ci():
+    readme = (ROOT / "README.md").read_text()
+    ci = (ROOT / ".ci" / "run").read_text()
+    test_command = "python3 -m venv .venv && .venv/bin/pip install '.[test]' && .venv/bin/python -m pytest"
+    assert test_command in readme
+    assert test_command.replace("install '.[test]'", "install --quiet '.[test]'") in ci
