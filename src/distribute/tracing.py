@@ -125,7 +125,7 @@ def run(strategy: Any, fn: Callable, args: tuple, kwargs: dict) -> Any:
             kinds.append(_STATIC)
             statics.append(leaf)
             key_parts.append((_STATIC, _static_key(leaf)))
-    key = (fn, treedef, tuple(key_parts), padded_rows)
+    key = (_function_key(fn), treedef, tuple(key_parts), padded_rows)
     sharded = [d for d, k in zip(dynamic, kinds) if k == _SHARDED]
     replicated = [_place(d, ext._replicated_sharding) for d, k in zip(dynamic, kinds) if k == _REPLICATED]
     valid = None
@@ -134,6 +134,7 @@ def run(strategy: Any, fn: Callable, args: tuple, kwargs: dict) -> Any:
 
     program = ext._compiled.get(key)
     if program is None:
+        _warn_on_retracing(ext, fn)
         program = _compile(strategy, fn, treedef, kinds, statics, padded_rows, sharded, replicated, valid)
         ext._compiled[key] = program
     read_vals = [_place(v._value, ext._replicated_sharding) for v in program.read_vars]
@@ -297,10 +298,43 @@ def _check_ownership(strategy, variables: list) -> None:
             where = getattr(var, "_distribute_strategy", None)
             made = "outside any strategy.scope()" if where is None else f"in the scope of {where!r}"
             raise ValueError(
-                f"{describe_owner(var)} was created {made} and is used inside "
-                f"{strategy!r}.run. Create models, optimizers and metrics inside the "
-                "scope: `with strategy.scope(): model = ...; optimizer = ...`."
+                f"{describe_owner(var)} was created {made} and is used with "
+                f"{strategy!r} (strategy.run or model.fit). Create models, optimizers and "
+                "metrics inside the scope: `with strategy.scope(): model = ...; optimizer = ...`."
             )
+
+
+def _function_key(fn: Callable) -> Any:
+    """Cache key of a replica function: the function, or (function, instance) for a bound method.
+
+    ``obj.step`` makes a new bound-method object on every access; keying on it
+    would compile every step.
+    """
+    owner = getattr(fn, "__self__", None)
+    func = getattr(fn, "__func__", None)
+    if owner is not None and func is not None:
+        return ("method", func, id(owner))
+    return fn
+
+
+_RETRACE_WARNING_AFTER = 8
+
+
+def _warn_on_retracing(ext: Any, fn: Callable) -> None:
+    """Warns once a replica function's code has been compiled many times (TF warns on retracing)."""
+    code = getattr(getattr(fn, "__func__", fn), "__code__", None)
+    counts = ext.__dict__.setdefault("_compiles_per_code", {})
+    counts[code] = counts.get(code, 0) + 1
+    if code is not None and counts[code] == _RETRACE_WARNING_AFTER:
+        import warnings
+
+        warnings.warn(
+            f"strategy.run has compiled {_RETRACE_WARNING_AFTER} programs for "
+            f"{getattr(fn, '__qualname__', fn)!r}. Each new function object, input shape or "
+            "Python constant compiles again (as tf.function retraces): pass the same function "
+            "object each step and keep shapes fixed.",
+            stacklevel=4,
+        )
 
 
 def _place(value: Any, sharding: Any) -> Any:
