@@ -388,9 +388,9 @@ class Strategy:
         if isinstance(value, PerReplica):
             return _gather_per_replica(value, axis)
         if isinstance(value, Mirrored):
-            value = value._array
-        value = jnp.asarray(value)
-        return jnp.concatenate([value] * self.num_replicas_in_sync, axis=axis)
+            return jnp.concatenate([value._array] * self.num_replicas_in_sync, axis=axis)
+        # A plain value comes back unchanged, as in TF 2.21.
+        return jnp.asarray(value)
 
 
 def _reduce_plain(op: ReduceOp, value: jax.Array, axis: int | None) -> jax.Array:
@@ -405,11 +405,19 @@ def _check_axis(axis: int, ndim: int) -> int:
     return axis % ndim
 
 
-def _reduce_per_replica(op: ReduceOp, value: PerReplica, axis: int | None) -> jax.Array:
+def _without_uniform_padding(value: PerReplica) -> tuple[jax.Array, np.ndarray | None]:
+    """The backing array and lengths, with padding cut off when every replica has the same real rows."""
     array, lengths = value._array, value._lengths
+    if lengths is not None and len(set(lengths.tolist())) == 1:
+        return array[:, : int(lengths[0])], None
+    return array, lengths
+
+
+def _reduce_per_replica(op: ReduceOp, value: PerReplica, axis: int | None) -> jax.Array:
+    array, lengths = _without_uniform_padding(value)
     ndim = array.ndim - 1
     if axis is None:
-        if lengths is not None and len(set(lengths.tolist())) > 1:
+        if lengths is not None:
             raise ValueError(
                 f"Per-replica values have different batch sizes {lengths.tolist()}, so "
                 "they cannot be combined element-wise (axis=None). Pass axis=0 to reduce "
@@ -420,7 +428,7 @@ def _reduce_per_replica(op: ReduceOp, value: PerReplica, axis: int | None) -> ja
     if lengths is not None and axis == 0:
         rows = _gather_per_replica(value, 0)
         return jnp.sum(rows, axis=0) if op is ReduceOp.SUM else jnp.mean(rows, axis=0)
-    if lengths is not None and len(set(lengths.tolist())) > 1:
+    if lengths is not None:
         raise ValueError(
             f"Per-replica values have different batch sizes {lengths.tolist()}; reducing "
             f"axis {axis} would leave differently shaped values. Reduce axis 0 as well."
@@ -442,13 +450,13 @@ def _jit_reduce_axis(op: str, array: jax.Array, axis: int) -> jax.Array:
 
 
 def _gather_per_replica(value: PerReplica, axis: int) -> jax.Array:
-    array, lengths = value._array, value._lengths
+    array, lengths = _without_uniform_padding(value)
     ndim = array.ndim - 1
     if ndim == 0:
         raise ValueError("strategy.gather needs per-replica values of rank >= 1; got scalars. Use reduce, or expand dims first.")
     axis = _check_axis(axis, ndim)
     if lengths is not None:
-        if axis != 0 and len(set(lengths.tolist())) > 1:
+        if axis != 0:
             raise ValueError(
                 f"Per-replica values have different batch sizes {lengths.tolist()}; they "
                 f"can be gathered along axis 0 only, not axis {axis}."

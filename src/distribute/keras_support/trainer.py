@@ -31,6 +31,7 @@ from keras.src import tree
 from distribute import _context
 from distribute.input.splitting import split_batch
 from distribute.keras_support import steps
+from distribute.keras_support.data_adapter import adapt
 from distribute.tracing import _check_ownership
 
 AXIS = "replica"
@@ -76,7 +77,13 @@ def _compile_wrapper(original):
 
 
 def _in_scope(original):
+    """fit/evaluate/predict: read distribute.data.Dataset inputs, and run in the model's strategy scope."""
+
     def method(self, *args, **kwargs):
+        args = tuple(adapt(a) if i == 0 else a for i, a in enumerate(args))
+        for name in ("x", "validation_data"):
+            if name in kwargs:
+                kwargs[name] = adapt(kwargs[name])
         strategy = model_strategy(self)
         if strategy is None:
             return original(self, *args, **kwargs)
@@ -106,8 +113,9 @@ def _split(strategy: Any, data: Any, rows_seen: list[int]) -> tuple[Any, list[np
     leaves, treedef = jax.tree_util.tree_flatten(data)
     leaves = [np.asarray(x) for x in leaves]
     rows_seen[0] = max(rows_seen[0], -(-leaves[0].shape[0] // strategy.num_replicas_in_sync))
-    stacked, lengths = split_batch(leaves, len(strategy.extended._local_devices), rows_seen[0])
-    return treedef, stacked, lengths
+    # Split for every replica in the job; this worker keeps its replicas' rows (lengths stay global).
+    stacked, lengths = split_batch(leaves, strategy.num_replicas_in_sync, rows_seen[0])
+    return treedef, [strategy.extended._local_rows(x) for x in stacked], lengths
 
 
 def _check_supported(model: Any, method: str) -> None:
@@ -251,7 +259,7 @@ def _make_predict_function(model, strategy, force):
 
     def predict_function(state, iterator):
         outputs, state = runner(state, iterator)
-        pieces = [tree.map_structure(lambda o: _real_rows(np.asarray(o), lengths), result) for result, lengths in outputs]
+        pieces = [tree.map_structure(lambda o: _real_rows(strategy.extended._to_host(o), lengths), result) for result, lengths in outputs]
         if len(pieces) == 1:
             return pieces[0], state
         return tree.map_structure(lambda *parts: np.concatenate(parts), *pieces), state
