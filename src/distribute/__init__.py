@@ -32,6 +32,8 @@ _EXPORTS = {
     "compute_average_loss": "distribute.losses",
     "scale_regularization_loss": "distribute.losses",
     "MirroredStrategy": "distribute.mirrored",
+    "MultiWorkerMirroredStrategy": "distribute.multi_worker",
+    "TPUStrategy": "distribute.tpu",
     "OneDeviceStrategy": "distribute.mirrored",
     "ReplicaContext": "distribute.replica",
     "Strategy": "distribute.strategy",

@@ -14,7 +14,7 @@ import os
 import sys
 from typing import Sequence
 
-STRATEGIES = ("mirrored", "one_device", "default")
+STRATEGIES = ("mirrored", "one_device", "default", "multi_worker_mirrored")
 
 
 class _Parser(argparse.ArgumentParser):

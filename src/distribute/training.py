@@ -75,6 +75,8 @@ def make_strategy(name: str, replicas: int | None) -> Any:
 
     if name == "default":
         return distribute.get_strategy()
+    if name == "multi_worker_mirrored":  # the cluster from TF_CONFIG (python -m distribute.launch sets it)
+        return distribute.MultiWorkerMirroredStrategy()
     devices = jax.local_devices()
     if name == "one_device":
         return distribute.OneDeviceStrategy(devices[0])
@@ -134,8 +136,9 @@ def train(args: argparse.Namespace) -> dict:
     run = _fit if args.mode == "fit" else _custom_loop
     history = run(strategy, model, args, x_train, y_train, x_test, y_test)
     _, test_accuracy = model.evaluate(x_test, y_test, batch_size=args.global_batch_size, verbose=0)
-    _write_outputs(output, model, history, args)
-    print(f"outputs: {output / 'model.keras'}, {output / 'history.json'}, {output / 'curves.png'}")
+    if strategy.extended.should_checkpoint:  # the chief writes; every worker prints
+        _write_outputs(output, model, history, args)
+        print(f"outputs: {output / 'model.keras'}, {output / 'history.json'}, {output / 'curves.png'}")
     print(f"test accuracy: {test_accuracy:.4f}")
     return history
 

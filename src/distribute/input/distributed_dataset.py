@@ -14,7 +14,7 @@ import jax
 import numpy as np
 
 from distribute.input.input_context import InputContext, InputOptions, InputReplicationMode
-from distribute.input.splitting import split_batch, stack_elements
+from distribute.input.splitting import stack_elements
 from distribute.values import PerReplica
 
 
@@ -59,17 +59,14 @@ class DistributedDataset:
                 "InputReplicationMode.PER_REPLICA is only valid with "
                 "distribute_datasets_from_function (as TF)."
             )
-        num_local = len(strategy.extended._local_devices)
         rows = math.ceil(batch_size / strategy.num_replicas_in_sync)
-        local_dataset = strategy.extended._shard_dataset(dataset)
+        ext = strategy.extended
 
         def batches():
-            for element in local_dataset:
-                leaves, treedef = jax.tree_util.tree_flatten(element)
-                stacked, lengths = split_batch(leaves, num_local, rows)
-                yield stacked, treedef, lengths
+            return ext._agree(ext._dataset_batches(dataset, rows))
 
-        return cls(strategy, batches, rows, options, dataset.cardinality())
+        cardinality = ext._dataset_cardinality(dataset)
+        return cls(strategy, batches, rows, options, cardinality)
 
     @classmethod
     def from_function(cls, strategy: Any, dataset_fn: Callable[[InputContext], Any], options: InputOptions | None) -> "DistributedDataset":
@@ -103,6 +100,11 @@ class DistributedDataset:
                 yield stacked, treedef, lengths
                 if len(elements) < num_local:
                     return
+
+        local_batches = batches
+
+        def batches():
+            return ext._agree(local_batches())
 
         cardinality = datasets[0].cardinality() if len(datasets) == 1 else -2
         if len(datasets) == 1 and cardinality >= 0:

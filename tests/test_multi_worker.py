@@ -1,0 +1,302 @@
+"""MultiWorkerMirroredStrategy across real processes on loopback (2 workers x 2 CPU devices, and 3 x 1).
+
+Each launch costs seconds, so one launch runs many scenarios and writes one JSON
+file per worker; the tests below read them.  The same file is the worker program
+(``python tests/test_multi_worker.py SCENARIO OUT_DIR``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+HERE = pathlib.Path(__file__).resolve()
+N_FIT, BATCH, RTOL = 37, 8, 1e-5
+EXACTLY_ONCE_SIZES = (1, 7, 10, 13)
+LAUNCH_TIMEOUT_SECONDS = 150
+
+pytestmark = pytest.mark.multiprocess
+
+
+# -- shared by the workers and the single-process reference ----------------------------------
+def fit_data():
+    rng = np.random.default_rng(11)
+    x = rng.normal(size=(N_FIT, 5)).astype(np.float32)
+    y = (x[:, :2].sum(axis=1) > 0).astype(np.int32)
+    return x, y
+
+
+def build_model():
+    import keras
+
+    keras.utils.set_random_seed(5)
+    return keras.Sequential([keras.Input((5,)), keras.layers.Dense(6, activation="relu"), keras.layers.Dense(2)])
+
+
+def keras_fit(strategy):
+    import keras
+
+    x, y = fit_data()
+    with strategy.scope():
+        model = build_model()
+        model.compile(
+            optimizer=keras.optimizers.SGD(0.1),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            metrics=["sparse_categorical_accuracy"],
+        )
+    history = model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    predictions = model.predict(x, batch_size=BATCH, verbose=0)
+    return [w.tolist() for w in model.get_weights()], history.history["loss"][-1], predictions.tolist()
+
+
+def custom_loop(strategy):
+    import keras
+
+    import distribute
+    from distribute.data import Dataset
+
+    x, y = fit_data()
+    dataset = strategy.experimental_distribute_dataset(Dataset.from_tensor_slices((x, y)).batch(BATCH))
+    with strategy.scope():
+        model = build_model()
+        optimizer = keras.optimizers.SGD(0.1)
+        loss_object = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none")
+
+    def step(inputs):
+        features, labels = inputs
+
+        def loss_fn():
+            return distribute.compute_average_loss(loss_object(labels, model(features, training=True)))
+
+        loss, grads = distribute.compute_gradients(loss_fn, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        return loss
+
+    losses = [float(strategy.reduce("SUM", strategy.run(step, args=(batch,)), axis=None)) for batch in dataset]
+    return [w.tolist() for w in model.get_weights()], losses
+
+
+def run_reduce_gather(strategy):
+    import distribute
+    from distribute.data import Dataset
+
+    # 6 rows, global batch 8 -> a padded partial batch of 2 | 2 | 2 | 0 rows.
+    dataset = strategy.experimental_distribute_dataset(Dataset.from_tensor_slices(np.arange(6.0, dtype=np.float32)).batch(8))
+    batch = next(iter(dataset))
+
+    def fn(x):
+        ctx = distribute.get_replica_context()
+        return x * 2.0, ctx.all_reduce("SUM", 1.0), ctx.replica_id_in_sync_group
+
+    doubled, ones, ids = strategy.run(fn, args=(batch,))
+    return {
+        "sum_axis0": float(strategy.reduce("SUM", doubled, axis=0)),
+        "mean_axis0": float(strategy.reduce("MEAN", doubled, axis=0)),
+        "gather": np.asarray(strategy.gather(doubled, axis=0)).tolist(),
+        "all_reduce": float(strategy.reduce("MEAN", ones, axis=None)),
+        "ids_sum": float(strategy.reduce("SUM", ids, axis=None)),
+        "local": [np.asarray(v).tolist() for v in strategy.experimental_local_results(doubled)],
+    }
+
+
+# -- the worker program -------------------------------------------------------------------------
+def _worker(scenario: str, out_dir: str) -> None:
+    os.environ["KERAS_BACKEND"] = "jax"
+    import distribute
+    from distribute.data import Dataset
+    from distribute.multi_worker import CommunicationOptions
+
+    timeout = float(os.environ.get("MW_TIMEOUT", "60"))
+    strategy = distribute.MultiWorkerMirroredStrategy(communication_options=CommunicationOptions(timeout_seconds=timeout))
+    me = strategy.extended._input_pipelines()[1]
+    out: dict = {
+        "num_replicas": strategy.num_replicas_in_sync,
+        "pipelines": list(strategy.extended._input_pipelines()),
+        "should_checkpoint": strategy.extended.should_checkpoint,
+        "num_local": len(strategy.extended.worker_devices),
+    }
+    if scenario == "kill":
+        dataset = strategy.experimental_distribute_dataset(Dataset.range(1000).batch(strategy.num_replicas_in_sync))
+        for step, batch in enumerate(dataset):
+            strategy.run(lambda v: v + 1, args=(batch,))
+            if step == 3 and me == 1:
+                print("worker 1 kills itself", flush=True)
+                os.kill(os.getpid(), signal.SIGKILL)
+            if step == 3:
+                print("step 3 done", time.time(), flush=True)
+        return
+
+    # Every example exactly once across workers (DATA sharding of global batches).
+    seen = {}
+    for n in EXACTLY_ONCE_SIZES:
+        ids = []
+        for batch in strategy.experimental_distribute_dataset(Dataset.range(n).batch(4)):
+            for part in strategy.experimental_local_results(batch):
+                ids.extend(np.asarray(part).tolist())
+        seen[str(n)] = ids
+    out["seen"] = seen
+
+    # Uneven data: worker w has UNEVEN[w] examples of its own; per-replica batch 2.
+    uneven = [5, 0, 3][: out["pipelines"][0]] if out["pipelines"][0] <= 3 else []
+    contexts = []
+
+    def dataset_fn(ctx):
+        contexts.append([ctx.num_input_pipelines, ctx.input_pipeline_id, ctx.num_replicas_in_sync])
+        start = 100 * ctx.input_pipeline_id
+        return Dataset.range(start, start + uneven[ctx.input_pipeline_id]).batch(2)
+
+    steps, ids = 0, []
+    for batch in strategy.distribute_datasets_from_function(dataset_fn):
+        strategy.run(lambda v: v * 1, args=(batch,))
+        steps += 1
+        for part in strategy.experimental_local_results(batch):
+            ids.extend(np.asarray(part).tolist())
+    out.update(contexts=contexts, uneven_steps=steps, uneven_ids=ids)
+
+    if scenario == "full":
+        out["run"] = run_reduce_gather(strategy)
+        out["fit_weights"], out["fit_loss"], out["predictions"] = keras_fit(strategy)
+        out["loop_weights"], out["loop_losses"] = custom_loop(strategy)
+    pathlib.Path(out_dir, f"worker{me}.json").write_text(json.dumps(out))
+    print("done", flush=True)
+
+
+# -- tests -----------------------------------------------------------------------------------
+def _launch(scenario, num_workers, devices_per_worker, tmp_path, timeout=LAUNCH_TIMEOUT_SECONDS, extra_env=None):
+    from distribute.launch import launch
+
+    env = {"KERAS_BACKEND": "jax", "PYTHONPATH": os.pathsep.join([str(HERE.parents[1] / "src"), os.environ.get("PYTHONPATH", "")]), **(extra_env or {})}
+    result = launch([str(HERE), scenario, str(tmp_path)], num_workers, devices_per_worker, env=env, timeout_seconds=timeout, echo=False)
+    assert result.returncode == 0, result.output[-6000:]
+    return [json.loads((tmp_path / f"worker{w}.json").read_text()) for w in range(num_workers)]
+
+
+@pytest.fixture(scope="module")
+def two_by_two(tmp_path_factory):
+    return _launch("full", 2, 2, tmp_path_factory.mktemp("mw22"))
+
+
+@pytest.fixture(scope="module")
+def three_by_one(tmp_path_factory):
+    return _launch("data", 3, 1, tmp_path_factory.mktemp("mw31"))
+
+
+@pytest.fixture(scope="module")
+def four_replicas():
+    import distribute
+
+    return distribute.MirroredStrategy([f"/cpu:{i}" for i in range(4)])
+
+
+def test_num_replicas_and_roles(two_by_two):
+    assert [w["num_replicas"] for w in two_by_two] == [4, 4]
+    assert [w["num_local"] for w in two_by_two] == [2, 2]
+    assert [w["pipelines"] for w in two_by_two] == [[2, 0], [2, 1]]
+    assert [w["should_checkpoint"] for w in two_by_two] == [True, False]
+
+
+def test_input_context_per_worker(two_by_two):
+    assert two_by_two[0]["contexts"] == [[2, 0, 4]]
+    assert two_by_two[1]["contexts"] == [[2, 1, 4]]
+
+
+def test_run_reduce_gather_equal_single_process(two_by_two, four_replicas):
+    expected = run_reduce_gather(four_replicas)
+    for worker in two_by_two:
+        got = worker["run"]
+        for key in ("sum_axis0", "mean_axis0", "gather", "all_reduce", "ids_sum"):
+            np.testing.assert_allclose(got[key], expected[key], rtol=1e-6)
+    assert two_by_two[0]["run"]["local"] == expected["local"][:2]
+    assert two_by_two[1]["run"]["local"] == expected["local"][2:]
+
+
+def test_keras_fit_equals_single_process(two_by_two, four_replicas):
+    weights, loss, predictions = keras_fit(four_replicas)
+    for worker in two_by_two:
+        for got, want in zip(worker["fit_weights"], weights):
+            np.testing.assert_allclose(got, want, rtol=RTOL, atol=1e-7)
+        np.testing.assert_allclose(worker["fit_loss"], loss, rtol=RTOL)
+        np.testing.assert_allclose(worker["predictions"], predictions, rtol=RTOL, atol=1e-6)
+
+
+def test_custom_loop_equals_single_process(two_by_two, four_replicas):
+    weights, losses = custom_loop(four_replicas)
+    for worker in two_by_two:
+        for got, want in zip(worker["loop_weights"], weights):
+            np.testing.assert_allclose(got, want, rtol=RTOL, atol=1e-7)
+        np.testing.assert_allclose(worker["loop_losses"], losses, rtol=RTOL)
+
+
+@pytest.mark.parametrize("fixture", ["two_by_two", "three_by_one"])
+def test_every_example_exactly_once_across_workers(fixture, request):
+    workers = request.getfixturevalue(fixture)
+    for n in EXACTLY_ONCE_SIZES:
+        ids = sorted(i for w in workers for i in w["seen"][str(n)])
+        assert ids == list(range(n)), (n, [w["seen"][str(n)] for w in workers])
+
+
+@pytest.mark.parametrize("fixture", ["two_by_two", "three_by_one"])
+def test_uneven_data_does_not_hang_and_is_seen_once(fixture, request):
+    workers = request.getfixturevalue(fixture)
+    sizes = [5, 0, 3][: len(workers)]
+    expected = sorted(100 * w + i for w, n in enumerate(sizes) for i in range(n))
+    assert sorted(i for w in workers for i in w["uneven_ids"]) == expected
+    steps = {w["uneven_steps"] for w in workers}
+    assert len(steps) == 1  # every worker took the same number of steps
+
+
+def test_lost_worker_is_named_within_timeout(tmp_path):
+    """Worker 1 SIGKILLs itself after step 3; worker 0 must fail naming it, within the timeout."""
+    from distribute.launch import build_cluster, task_environment
+
+    timeout = 4
+    cluster = build_cluster(2)
+    env = {**os.environ, "KERAS_BACKEND": "jax", "MW_TIMEOUT": str(timeout),
+           "PYTHONPATH": os.pathsep.join([str(HERE.parents[1] / "src"), os.environ.get("PYTHONPATH", "")])}
+    procs = [
+        subprocess.Popen([sys.executable, "-u", str(HERE), "kill", str(tmp_path)], env=task_environment(env, cluster, "worker", i, 2),
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for i in range(2)
+    ]
+    try:
+        out0, _ = procs[0].communicate(timeout=90)
+        ended = time.time()
+        procs[1].communicate(timeout=30)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert procs[1].returncode == -signal.SIGKILL
+    assert procs[0].returncode != 0, out0[-3000:]
+    assert "worker 1 (127.0.0.1:" in out0, out0[-3000:]
+    assert "lost worker 1" in out0 or "worker 1 (127.0.0.1:" in out0
+    stamp = next(float(line.split()[-1]) for line in out0.splitlines() if line.startswith("step 3 done"))
+    assert ended - stamp < timeout + 5, ended - stamp  # within the timeout (+ the watchdog's period)
+
+
+def test_main_job_under_the_launcher(tmp_path):
+    """python -m distribute.launch --num-workers 2 -m distribute train --strategy multi_worker_mirrored."""
+    from distribute.launch import launch
+
+    env = {"KERAS_BACKEND": "jax", "PYTHONPATH": os.pathsep.join([str(HERE.parents[1] / "src"), os.environ.get("PYTHONPATH", "")])}
+    out = tmp_path / "out"
+    result = launch(["-m", "distribute", "train", "--strategy", "multi_worker_mirrored", "--epochs", "1", "--mode", "custom",
+                     "--verbose", "0", "--output", str(out)], 2, 2, env=env, timeout_seconds=LAUNCH_TIMEOUT_SECONDS, echo=False)
+    assert result.returncode == 0, result.output[-4000:]
+    for w in range(2):
+        lines = [line for line in result.task_output("worker", w).splitlines() if "Gloo" not in line and line.strip() != f"[worker {w}]"]
+        assert "replicas: 4" in result.task_output("worker", w)
+        assert lines[-1].startswith(f"[worker {w}] test accuracy: "), lines[-3:]
+    assert (out / "model.keras").exists() and (out / "history.json").exists()
+
+
+if __name__ == "__main__":
+    _worker(sys.argv[1], sys.argv[2])
