@@ -1,0 +1,103 @@
+"""BackupAndRestore for ``model.fit`` under any strategy (tf.keras.callbacks.BackupAndRestore).
+
+Keras 3's callback (``keras.callbacks.BackupAndRestore``) writes
+``latest.weights.h5`` and then ``training_metadata.json`` in place from every
+process.  Under MultiWorkerMirroredStrategy that means every worker writing the
+same files at once, and a worker killed between (or during) the two writes
+leaves weights that do not match the recorded epoch, or a truncated file.
+
+This subclass keeps Keras' arguments and behaviour (resume at the epoch after
+the last backup; the backup is deleted when ``fit`` ends) and changes the
+storage: each backup is ONE file (model and optimizer variables plus the epoch)
+written by the chief only, atomically, through :mod:`distribute.checkpoint`;
+every worker then meets the others at a barrier, and on a restart every worker
+reads the same file and puts the values back with the current strategy's
+placement (so a job may even resume with another number of replicas).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from typing import Any
+
+import keras
+
+from distribute.checkpoint import (
+    Checkpoint,
+    CheckpointManager,
+    _strategy_of,
+    _UnreadableCheckpointError,
+)
+
+_NAME = "backup"
+
+
+class BackupAndRestore(keras.callbacks.BackupAndRestore):
+    """Backs up the training state each epoch and resumes from it after an interruption.
+
+    As ``tf.keras.callbacks.BackupAndRestore``: pass the same ``backup_dir``
+    on every worker and relaunch the same job after a failure; ``fit`` then
+    starts at the epoch after the last backup, with the model's and the
+    optimizer's variables as they were then.
+
+    Args:
+        backup_dir: directory for the backup files (``backup-N.npz``); used by
+            this callback only.
+        save_freq: ``"epoch"`` (back up at the end of every epoch) or an
+            integer number of batches.  As Keras 3, a restart resumes at the
+            start of the epoch in progress, from the last backup's variables.
+        double_checkpoint: keep the previous backup too, and fall back to it
+            when the latest cannot be read.
+        delete_checkpoint: delete ``backup_dir`` when ``fit`` ends.
+
+    Raises:
+        ValueError: an empty ``backup_dir`` or a bad ``save_freq`` (as Keras).
+    """
+
+    def __init__(self, backup_dir: str | os.PathLike, save_freq: Any = "epoch", double_checkpoint: bool = False,
+                 delete_checkpoint: bool = True):
+        super().__init__(os.fspath(backup_dir) if backup_dir else backup_dir, save_freq=save_freq,
+                         double_checkpoint=double_checkpoint, delete_checkpoint=delete_checkpoint)
+
+    def _manager(self) -> CheckpointManager:
+        model = self.model
+        objects = {"model": model}
+        if getattr(model, "optimizer", None) is not None:
+            objects["optimizer"] = model.optimizer
+        return CheckpointManager(Checkpoint(**objects), self.backup_dir,
+                                 max_to_keep=2 if self.double_checkpoint else 1, checkpoint_name=_NAME)
+
+    def on_train_begin(self, logs: Any = None) -> None:
+        self._load_model()
+
+    def _load_model(self) -> None:
+        model = self.model
+        if not model.built:
+            raise ValueError(
+                "To use the BackupAndRestore callback, the model must be built before fit(): "
+                f"{model} is unbuilt. Build it (model.build(input_shape) or call it on a batch) first."
+            )
+        manager = self._manager()
+        candidates = list(reversed(manager.checkpoints))
+        for position, path in enumerate(candidates):
+            try:
+                status = manager.checkpoint.restore(path)
+            except _UnreadableCheckpointError:
+                if position + 1 < len(candidates):
+                    continue  # double_checkpoint: fall back to the previous backup
+                raise
+            self._current_epoch = int(status._extra.get("epoch", 0))
+            model._initial_epoch = self._current_epoch
+            return
+
+    def _save_model(self) -> None:
+        self._manager()._save(None, {"epoch": int(self._current_epoch), "batch": int(self._last_batch_seen)})
+
+    def on_train_end(self, logs: Any = None) -> None:
+        self._model._initial_epoch = None  # a later fit() starts where it is told again
+        if not self.delete_checkpoint:
+            return
+        strategy = _strategy_of(list(self.model.variables))
+        if strategy.extended.should_checkpoint:
+            shutil.rmtree(self.backup_dir, ignore_errors=True)

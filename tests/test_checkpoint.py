@@ -1,0 +1,285 @@
+"""distribute.Checkpoint / CheckpointManager: custom-loop checkpoints, restored at other replica counts.
+
+The file is also the worker program of the multi-process test
+(``python tests/test_checkpoint.py OUT_DIR``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import sys
+
+import numpy as np
+import pytest
+
+HERE = pathlib.Path(__file__).resolve()
+LAUNCH_TIMEOUT_SECONDS = 120
+
+
+# -- shared by the tests and the worker program -------------------------------------------------
+def data():
+    rng = np.random.default_rng(7)
+    return rng.normal(size=(16, 5)).astype(np.float32), rng.normal(size=(16, 2)).astype(np.float32)
+
+
+def build(strategy, second=None):
+    import keras
+
+    with strategy.scope():
+        keras.utils.set_random_seed(1)
+        model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(4, activation="relu"), second or keras.layers.Dense(2)])
+        optimizer = keras.optimizers.Adam(0.01)
+    return model, optimizer
+
+
+def train(strategy, model, optimizer, steps):
+    import keras
+
+    import distribute
+    from distribute.data import Dataset
+
+    x, y = data()
+    loss_object = keras.losses.MeanSquaredError(reduction="none")
+    dataset = strategy.experimental_distribute_dataset(Dataset.from_tensor_slices((x, y)).batch(16))
+
+    def step(features, labels):
+        def loss_fn():
+            return distribute.compute_average_loss(loss_object(labels, model(features, training=True)))
+
+        loss, grads = distribute.compute_gradients(loss_fn, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        return loss
+
+    for _ in range(steps):
+        for features, labels in dataset:
+            strategy.run(step, args=(features, labels))
+
+
+def values(*objects):
+    return [np.asarray(v.value) for obj in objects for v in obj.variables]
+
+
+# -- single process ---------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def saved_at_four(tmp_path_factory):
+    """3 Adam steps on 4 replicas, saved; then the 4-replica run's next step."""
+    from helpers import mirrored
+
+    import distribute
+
+    strategy = mirrored(4)
+    model, optimizer = build(strategy)
+    train(strategy, model, optimizer, 3)
+    manager = distribute.CheckpointManager(distribute.Checkpoint(model=model, optimizer=optimizer),
+                                           tmp_path_factory.mktemp("ckpt4"), max_to_keep=2)
+    path = manager.save()
+    saved = values(model, optimizer)
+    train(strategy, model, optimizer, 1)
+    return path, saved, values(model)
+
+
+@pytest.mark.parametrize("num_replicas", [1, 2])
+def test_restore_at_other_replica_count_and_continue(saved_at_four, num_replicas):
+    from helpers import mirrored
+
+    import distribute
+
+    path, saved, next_step = saved_at_four
+    strategy = mirrored(num_replicas)
+    model, optimizer = build(strategy)
+    assert not optimizer.built
+    status = distribute.Checkpoint(model=model, optimizer=optimizer).restore(path)
+    assert status.num_variables == len(saved) == 4 + 10  # kernels and biases; iteration, lr, 2 slots per weight
+    got = values(model, optimizer)
+    assert int(got[4]) == 3  # optimizer iterations
+    for a, b in zip(got, saved):
+        np.testing.assert_array_equal(a, b)
+    for v in model.variables + optimizer.variables:
+        assert v.value.sharding.is_equivalent_to(strategy.extended._replicated_sharding, v.value.ndim)
+    train(strategy, model, optimizer, 1)
+    for a, b in zip(values(model), next_step):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)
+
+
+def test_manager_keeps_max_to_keep_and_restores_latest(tmp_path):
+    from helpers import mirrored
+
+    import distribute
+
+    strategy = mirrored(2)
+    model, optimizer = build(strategy)
+    checkpoint = distribute.Checkpoint(model=model, optimizer=optimizer)
+    manager = distribute.CheckpointManager(checkpoint, tmp_path, max_to_keep=2)
+    assert manager.latest_checkpoint is None and manager.checkpoints == []
+    paths = []
+    for _ in range(3):
+        train(strategy, model, optimizer, 1)
+        paths.append(manager.save())
+    assert [os.path.basename(p) for p in paths] == ["ckpt-1.npz", "ckpt-2.npz", "ckpt-3.npz"]
+    assert manager.checkpoints == paths[1:] and manager.latest_checkpoint == paths[2]
+    assert sorted(os.listdir(tmp_path)) == ["ckpt-2.npz", "ckpt-3.npz"]  # no temporary files left
+    assert distribute.checkpoint.latest_checkpoint(tmp_path) == paths[2]
+    assert manager.save(checkpoint_number=10).endswith("ckpt-10.npz")
+    final = values(model, optimizer)
+
+    # A relaunched job: a fresh manager finds the checkpoints and restores the newest.
+    model2, optimizer2 = build(strategy)
+    manager2 = distribute.CheckpointManager(distribute.Checkpoint(model=model2, optimizer=optimizer2), tmp_path, max_to_keep=2)
+    assert manager2.restore_or_initialize() == str(tmp_path / "ckpt-10.npz")
+    for a, b in zip(values(model2, optimizer2), final):
+        np.testing.assert_array_equal(a, b)
+    assert manager2.save().endswith("ckpt-11.npz")
+
+    calls = []
+    empty = distribute.CheckpointManager(checkpoint, tmp_path / "empty", init_fn=lambda: calls.append(1))
+    assert empty.restore_or_initialize() is None and calls == [1]
+
+
+def test_checkpoint_save_write_and_counter(tmp_path):
+    from helpers import mirrored
+
+    import distribute
+
+    model, optimizer = build(mirrored(2))
+    checkpoint = distribute.Checkpoint(model=model, optimizer=optimizer)
+    assert checkpoint.model is model
+    assert checkpoint.save(tmp_path / "run") == str(tmp_path / "run-1.npz")
+    assert checkpoint.save(tmp_path / "run") == str(tmp_path / "run-2.npz")
+    assert checkpoint.write(tmp_path / "exact") == str(tmp_path / "exact.npz")
+    restored = distribute.Checkpoint(model=build(mirrored(1))[0])
+    with pytest.raises(ValueError, match=r"has no object 'net'.*Checkpoint\(model=..., optimizer=...\)"):
+        distribute.Checkpoint(net=model).restore(tmp_path / "run-1")
+    fresh = distribute.Checkpoint(model=model, optimizer=optimizer)
+    fresh.restore(tmp_path / "run-2")
+    assert fresh.save_counter == 2
+    restored.restore(str(tmp_path / "exact.npz"))  # only the objects asked for are restored
+    for a, b in zip(values(restored.model), values(model)):
+        np.testing.assert_array_equal(a, b)
+    with pytest.raises(ValueError, match="at least one object"):
+        distribute.Checkpoint()
+    with pytest.raises(ValueError, match="holds no Keras variables"):
+        distribute.Checkpoint(step=3)
+    with pytest.raises(TypeError, match="must be a distribute.Checkpoint"):
+        distribute.CheckpointManager(model, tmp_path)
+    with pytest.raises(ValueError, match="max_to_keep=0"):
+        distribute.CheckpointManager(checkpoint, tmp_path, max_to_keep=0)
+
+
+def test_missing_path_raises(tmp_path):
+    from helpers import mirrored
+
+    import distribute
+
+    model, _ = build(mirrored(2))
+    with pytest.raises(ValueError, match=r"no checkpoint at .*nothing\.npz.*does not exist"):
+        distribute.Checkpoint(model=model).restore(tmp_path / "nothing")
+    (tmp_path / "bad.npz").write_bytes(b"not a zip file")
+    with pytest.raises(ValueError, match="not a readable distribute checkpoint"):
+        distribute.Checkpoint(model=model).restore(tmp_path / "bad.npz")
+
+
+def test_mismatch_names_the_variable_and_assigns_nothing(tmp_path):
+    import keras
+    from helpers import mirrored
+
+    import distribute
+
+    strategy = mirrored(2)
+    model, optimizer = build(strategy)
+    train(strategy, model, optimizer, 1)
+    path = distribute.Checkpoint(model=model, optimizer=optimizer).write(tmp_path / "a")
+
+    wider, _ = build(strategy, keras.layers.Dense(3))  # last kernel (4, 3), not (4, 2)
+    before = values(wider)
+    with pytest.raises(ValueError, match=r"variable '.*dense_\d+/kernel'.*shape \(4, 3\) differs from the saved shape \(4, 2\).*same model architecture"):
+        distribute.Checkpoint(model=wider).restore(path)
+    for a, b in zip(values(wider), before):  # the first layer matched, and still was not assigned
+        np.testing.assert_array_equal(a, b)
+
+    other, _ = build(strategy, keras.layers.LayerNormalization())  # same count, other names
+    with pytest.raises(ValueError, match=r"variable '.*layer_normalization\w*/gamma'.*name differs"):
+        distribute.Checkpoint(model=other).restore(path)
+
+    extra, _ = build(strategy)
+    extra.add(keras.layers.Dense(1))
+    with pytest.raises(ValueError, match=r"has 6 variables here but 4 were saved"):
+        distribute.Checkpoint(model=extra).restore(path)
+
+
+def test_write_is_atomic(tmp_path, monkeypatch):
+    """A write that dies midway leaves the previous checkpoint whole and no temporary file."""
+    from helpers import mirrored
+
+    import distribute
+    from distribute import checkpoint as ckpt_module
+
+    model, optimizer = build(mirrored(2))
+    checkpoint = distribute.Checkpoint(model=model, optimizer=optimizer)
+    path = checkpoint.write(tmp_path / "state")
+    good = (tmp_path / "state.npz").read_bytes()
+
+    def dying_savez(f, **arrays):
+        f.write(b"PK\x03\x04 half a zip")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(ckpt_module.np, "savez", dying_savez)
+    with pytest.raises(OSError, match="disk full"):
+        checkpoint.write(tmp_path / "state")
+    monkeypatch.undo()
+    assert os.listdir(tmp_path) == ["state.npz"] and (tmp_path / "state.npz").read_bytes() == good
+    distribute.Checkpoint(model=model, optimizer=optimizer).restore(path)
+
+
+# -- multi-process ------------------------------------------------------------------------------
+def _worker(out_dir: str) -> None:
+    import distribute
+    from distribute import checkpoint as ckpt_module
+    from distribute.multi_worker import CommunicationOptions
+
+    writes = []
+    real = ckpt_module._atomic_savez
+    ckpt_module._atomic_savez = lambda path, arrays: (writes.append(path), real(path, arrays))[1]
+
+    strategy = distribute.MultiWorkerMirroredStrategy(communication_options=CommunicationOptions(timeout_seconds=30))
+    me = strategy.extended._input_pipelines()[1]
+    model, optimizer = build(strategy)
+    train(strategy, model, optimizer, 2)
+    manager = distribute.CheckpointManager(distribute.Checkpoint(model=model, optimizer=optimizer), pathlib.Path(out_dir, "ckpt"))
+    path = manager.save()
+    seen = sorted(os.listdir(pathlib.Path(out_dir, "ckpt")))  # after the barrier: the file is there for everyone
+    saved = values(model, optimizer)
+    model2, optimizer2 = build(strategy)
+    manager2 = distribute.CheckpointManager(distribute.Checkpoint(model=model2, optimizer=optimizer2), pathlib.Path(out_dir, "ckpt"))
+    restored_from = manager2.restore_or_initialize()
+    restored = values(model2, optimizer2)
+    out = {"path": path, "restored_from": restored_from, "writes": writes, "seen": seen,
+           "equal": all(np.array_equal(a, b) for a, b in zip(restored, saved)),
+           "weights": [w.tolist() for w in saved[:4]], "replicas": strategy.num_replicas_in_sync}
+    pathlib.Path(out_dir, f"worker{me}.json").write_text(json.dumps(out))
+
+
+@pytest.mark.multiprocess
+def test_multi_worker_only_chief_writes_and_all_restore(tmp_path):
+    from distribute.launch import launch
+
+    env = {"KERAS_BACKEND": "jax", "PYTHONPATH": os.pathsep.join([str(HERE.parents[1] / "src"), os.environ.get("PYTHONPATH", "")])}
+    result = launch([str(HERE), str(tmp_path)], 2, 2, env=env, timeout_seconds=LAUNCH_TIMEOUT_SECONDS, echo=False)
+    assert result.returncode == 0, result.output[-6000:]
+    workers = [json.loads((tmp_path / f"worker{w}.json").read_text()) for w in range(2)]
+    expected = str(tmp_path / "ckpt" / "ckpt-1.npz")
+    assert [w["replicas"] for w in workers] == [4, 4]
+    assert [w["writes"] for w in workers] == [[expected], []]  # the chief wrote, worker 1 did not
+    assert [w["seen"] for w in workers] == [["ckpt-1.npz"], ["ckpt-1.npz"]]
+    assert os.listdir(tmp_path / "ckpt") == ["ckpt-1.npz"]
+    assert [w["path"] for w in workers] == [expected, expected]
+    assert [w["restored_from"] for w in workers] == [expected, expected]
+    assert [w["equal"] for w in workers] == [True, True]
+    np.testing.assert_array_equal(np.asarray(workers[0]["weights"][0]), np.asarray(workers[1]["weights"][0]))
+    with np.load(expected) as stored:  # the file holds the trained values
+        np.testing.assert_array_equal(stored["model/0"], np.asarray(workers[0]["weights"][0], np.float32))
+
+
+if __name__ == "__main__":
+    _worker(sys.argv[1])
