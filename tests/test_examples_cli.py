@@ -88,6 +88,8 @@ def test_main_job_reads_an_mnist_npz(tmp_path):
         (["--epochs", "-1"], "--epochs -1"),
         (["--strategy", "one_device", "--replicas", "2"], "needs --strategy mirrored"),
         (["--global-batch-size", "x"], "invalid int value: 'x'"),
+        (["--learning-rate", "nan"], "--learning-rate nan"),
+        (["--bogus"], "unrecognized arguments: --bogus"),
     ],
 )
 def test_main_job_bad_flags_exit_2_with_one_line(tmp_path, args, needle):
@@ -95,7 +97,23 @@ def test_main_job_bad_flags_exit_2_with_one_line(tmp_path, args, needle):
     assert result.returncode == 2
     assert result.stdout == ""
     assert len(result.stderr.strip().splitlines()) == 1
+    assert result.stderr.startswith("python -m distribute train: error: ")
     assert needle in result.stderr
+
+
+def test_main_job_help_documents_every_flag(tmp_path):
+    result = _run(["-m", "distribute", "train", "--help"], tmp_path, timeout=60)
+    assert result.returncode == 0, result.stderr
+    text = " ".join(result.stdout.split())
+    options = text.split("options:")[1]
+    flags = ["--strategy", "--replicas", "--epochs", "--global-batch-size", "--learning-rate", "--mode", "--seed",
+             "--data", "--output", "--verbose"]
+    for flag, following in zip(flags, flags[1:] + [None]):
+        section = options.split(flag, 1)[1]
+        section = section.split(following, 1)[0] if following else section
+        assert len(section.split()) > 4, (flag, section)  # a help text, not just the metavar
+    assert "multi_worker_mirrored: " in text
+    assert "python -m distribute.launch, or with TF_CONFIG set" in text
 
 
 @pytest.mark.parametrize(
@@ -113,6 +131,98 @@ def test_main_job_unreadable_data_exits_1_with_one_line(tmp_path, content, needl
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
     assert needle in result.stderr
     assert not (tmp_path / "o" / "model.keras").exists()
+
+
+def _write_bad_data(path, kind):
+    rng = np.random.default_rng(0)
+    x = rng.random((40, 8, 8)).astype(np.float32)
+    y = rng.integers(0, 3, 40)
+    arrays = dict(x_train=x, y_train=y, x_test=x[:10], y_test=y[:10])
+    if kind == "empty npz":
+        arrays.update(x_train=np.zeros((0, 28, 28)), y_train=np.zeros(0), x_test=np.zeros((0, 28, 28)), y_test=np.zeros(0))
+    elif kind == "corrupt zip":
+        np.savez(path, **arrays)
+        path.write_bytes(path.read_bytes()[:300])
+        return
+    elif kind == "npy":
+        with open(path, "wb") as file:
+            np.save(file, x)
+        return
+    elif kind == "text":
+        path.write_text("hello world\n1,2,3\n")
+        return
+    elif kind == "negative labels":
+        arrays["y_train"] = y - 1
+    elif kind == "fractional labels":
+        arrays["y_train"] = y + 0.5
+    elif kind == "one-hot labels":
+        arrays["y_train"] = np.eye(3)[y]
+    elif kind == "one class":
+        arrays.update(y_train=np.zeros(40, int), y_test=np.zeros(10, int))
+    elif kind == "nan x":
+        arrays["x_test"] = np.where(np.arange(10)[:, None, None] == 3, np.nan, x[:10])
+    elif kind == "inf x":
+        arrays["x_train"] = np.where(np.arange(40)[:, None, None] == 5, np.inf, x)
+    elif kind == "unknown test labels":
+        arrays["y_test"] = np.full(10, 7)
+    elif kind == "sizes":
+        arrays["y_train"] = y[:39]
+    np.savez(path, **arrays)
+
+
+@pytest.mark.parametrize(
+    "kind,needle",
+    [
+        ("empty npz", "x_train is empty"),
+        ("corrupt zip", "corrupt .npz archive"),
+        ("npy", "not an .npz archive"),
+        ("text", "not an .npz archive"),
+        ("negative labels", "y_train has negative labels"),
+        ("fractional labels", "y_train must be integer class labels, got non-integral values such as 1.5"),
+        ("one-hot labels", "y_train must be integer class labels of shape (n,), got shape (40, 3)"),
+        ("one class", "at least 2 classes"),
+        ("nan x", "x_test has 64 non-finite values"),
+        ("inf x", "x_train has 64 non-finite values"),
+        ("unknown test labels", "y_test has labels outside the training classes 0..2: 7"),
+        ("sizes", "x_train has 40 examples but y_train has 39 labels"),
+    ],
+)
+def test_main_job_invalid_data_exits_1_with_one_line(tmp_path, kind, needle):
+    path = tmp_path / "data.npz"
+    _write_bad_data(path, kind)
+    result = _run(["-m", "distribute", "train", "--data", str(path), "--output", "o"], tmp_path, timeout=120)
+    assert result.returncode == 1
+    assert result.stderr.count("\n") == 1, result.stderr
+    assert result.stderr.startswith(f"python -m distribute train: error: "), result.stderr
+    assert str(path) in result.stderr and needle in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr
+    assert not (tmp_path / "o").exists()
+
+
+def test_main_job_accepts_float_and_column_labels(tmp_path):
+    rng = np.random.default_rng(0)
+    x = rng.random((60, 4, 4)).astype(np.float32)
+    y = rng.integers(0, 3, 60)
+    np.savez(tmp_path / "d.npz", x_train=x, y_train=y.astype(np.float64), x_test=x[:20], y_test=y[:20, None])
+    result = _run(["-m", "distribute", "train", "--data", "d.npz", "--epochs", "1", "--verbose", "0", "--output", "o"], tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "60 train / 20 test examples, 16 features, 3 classes" in result.stdout
+
+
+@pytest.mark.parametrize("mode", ["fit", "custom"])
+@pytest.mark.parametrize("verbose", [1, 2])
+def test_main_job_epoch_lines_are_not_inside_the_progress_bar(tmp_path, mode, verbose):
+    result = _run(
+        ["-m", "distribute", "train", "--mode", mode, "--epochs", "2", "--verbose", str(verbose), "--output", "o"], tmp_path
+    )
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()  # the bar's redraws (\r) become lines of their own here
+    assert sum(l.startswith("epoch ") for l in lines) == 2
+    assert not any("epoch " in l and not l.startswith("epoch ") for l in lines), result.stdout
+    for epoch in (1, 2):
+        at = lines.index(next(l for l in lines if l.startswith(f"epoch {epoch}/2: ")))
+        assert f"Epoch {epoch}/2" in lines[:at]  # Keras' header, its finished bar, then our summary
+        assert "val_accuracy" in lines[at - 1] and lines[at - 1].rstrip().endswith(tuple("0123456789")), repr(lines[at - 1])
 
 
 def test_readme_quick_start_matches_ci():

@@ -24,20 +24,47 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
+STRATEGY_HELP = (
+    "how to spread training over devices (default: %(default)s). "
+    "mirrored: one replica per local device, gradients summed across them; "
+    "one_device: everything on the first device; "
+    "default: no distribution (the default strategy); "
+    "multi_worker_mirrored: mirrored across several processes or machines - "
+    "run under python -m distribute.launch, or with TF_CONFIG set on each worker"
+)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="python -m distribute", description="tf.distribute on JAX: the main job.")
-    commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    train = commands.add_parser("train", help="train a digit classifier under a strategy")
-    train.add_argument("--strategy", choices=STRATEGIES, default="mirrored")
-    train.add_argument("--replicas", type=int, default=None, help="replicas for mirrored (default: 2 on CPU, all GPUs)")
-    train.add_argument("--epochs", type=int, default=20)
-    train.add_argument("--global-batch-size", type=int, default=64)
-    train.add_argument("--learning-rate", type=float, default=1e-3)
-    train.add_argument("--mode", choices=("fit", "custom"), default="fit")
-    train.add_argument("--seed", type=int, default=0)
-    train.add_argument("--data", default=None, help="a Keras-format MNIST .npz (x_train, y_train, x_test, y_test)")
-    train.add_argument("--output", default="out", help="directory for model.keras, history.json, curves.png")
-    train.add_argument("--verbose", type=int, choices=(0, 1, 2), default=1, help="Keras progress bar style")
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser, metavar="COMMAND")
+    train = commands.add_parser(
+        "train",
+        help="train a digit classifier under a strategy",
+        description=(
+            "Train a Keras MLP digit classifier under a distribution strategy and write "
+            "model.keras, history.json and curves.png to --output. Without --data it uses "
+            "scikit-learn's UCI handwritten digits (8x8 images, 80/20 split)."
+        ),
+    )
+    train.add_argument("--strategy", choices=STRATEGIES, default="mirrored", help=STRATEGY_HELP)
+    train.add_argument("--replicas", type=int, default=None, metavar="N",
+                       help="replicas for --strategy mirrored (default: 2 virtual CPU devices on CPU, all GPUs on GPU)")
+    train.add_argument("--epochs", type=int, default=20, metavar="N", help="passes over the training data (default: %(default)s)")
+    train.add_argument("--global-batch-size", type=int, default=64, metavar="N",
+                       help="examples per step, summed over all replicas (default: %(default)s)")
+    train.add_argument("--learning-rate", type=float, default=1e-3, metavar="LR", help="Adam learning rate (default: %(default)s)")
+    train.add_argument("--mode", choices=("fit", "custom"), default="fit",
+                       help="fit: Keras model.fit; custom: a hand-written loop with strategy.run (default: %(default)s)")
+    train.add_argument("--seed", type=int, default=0, help="seed for weights, shuffling and the train/test split (default: %(default)s)")
+    train.add_argument("--data", default=None, metavar="FILE.npz",
+                       help="a Keras-format MNIST .npz holding x_train, y_train, x_test, y_test "
+                            "(integer labels 0..k-1); default: scikit-learn's UCI digits")
+    train.add_argument("--output", default="out", metavar="DIR",
+                       help="directory for model.keras, history.json, curves.png (default: %(default)s)")
+    train.add_argument("--verbose", type=int, choices=(0, 1, 2), default=1,
+                       help="0: only the per-epoch summary lines; 1: a progress bar per epoch; "
+                            "2: one Keras log line per epoch (default: %(default)s)")
+    parser.train_parser = train  # errors about train's flags are reported by (and prefixed with) train
     return parser
 
 
@@ -50,8 +77,8 @@ def _validate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None
         parser.error(f"--epochs {args.epochs}: must be at least 1")
     if args.global_batch_size < 1:
         parser.error(f"--global-batch-size {args.global_batch_size}: must be at least 1")
-    if args.learning_rate <= 0:
-        parser.error(f"--learning-rate {args.learning_rate}: must be positive")
+    if not args.learning_rate > 0 or args.learning_rate == float("inf"):
+        parser.error(f"--learning-rate {args.learning_rate}: must be a positive number")
 
 
 def _configure_cpu_devices(count: int) -> None:
@@ -65,9 +92,12 @@ def _configure_cpu_devices(count: int) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extras = parser.parse_known_args(argv)
     if args.command == "train":
-        _validate(parser, args)
+        train_parser = parser.train_parser
+        if extras:
+            train_parser.error(f"unrecognized arguments: {' '.join(extras)}")
+        _validate(train_parser, args)
         if args.strategy == "mirrored":
             _configure_cpu_devices(args.replicas or 2)
         from distribute.training import JobError, train
@@ -75,7 +105,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             train(args)
         except JobError as err:
-            print(f"python -m distribute train: error: {err}", file=sys.stderr)
+            print(f"{train_parser.prog}: error: {err}", file=sys.stderr)
             return 1
         return 0
+    if extras:  # pragma: no cover - argparse requires a command
+        parser.error(f"unrecognized arguments: {' '.join(extras)}")
     return 2  # pragma: no cover - argparse requires a command

@@ -222,7 +222,9 @@ class Strategy:
         return self._cluster_resolver
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(num_replicas_in_sync={self.num_replicas_in_sync})"
+        devices = ", ".join(f"{d.platform}:{d.id}" for d in self._extended._devices[:8])
+        more = ", ..." if len(self._extended._devices) > 8 else ""
+        return f"<{type(self).__name__} num_replicas_in_sync={self.num_replicas_in_sync} devices=[{devices}{more}] at {id(self):#x}>"
 
     # -- scope -----------------------------------------------------------------------------
     def scope(self) -> contextlib.AbstractContextManager:
@@ -287,7 +289,9 @@ class Strategy:
             RuntimeError: called inside ``run`` (use ``ReplicaContext.all_reduce``).
         """
         op = ReduceOp.from_value(reduce_op)
-        _require_cross_replica("strategy.reduce", "use get_replica_context().all_reduce(...) inside run")
+        _require_cross_replica("strategy.reduce", "use get_replica_context().all_reduce(...)")
+        _check_reduce_axis(axis)
+        self._check_values_are_ours(value, "reduce")
         return jax.tree_util.tree_map(
             lambda v: self._reduce_one(op, v, axis), value, is_leaf=is_distributed
         )
@@ -302,7 +306,10 @@ class Strategy:
             RuntimeError: called inside ``run`` (use ``ReplicaContext.all_gather``).
             ValueError: replicas' shapes differ along a dim other than ``axis``.
         """
-        _require_cross_replica("strategy.gather", "use get_replica_context().all_gather(...) inside run")
+        _require_cross_replica("strategy.gather", "use get_replica_context().all_gather(...)")
+        if isinstance(axis, bool) or not isinstance(axis, (int, np.integer)):
+            raise ValueError(f"strategy.gather: axis must be an int, got {axis!r}.")
+        self._check_values_are_ours(value, "gather")
         return jax.tree_util.tree_map(lambda v: self._gather_one(v, axis), value, is_leaf=is_distributed)
 
     def experimental_local_results(self, value: Any) -> tuple:
@@ -366,6 +373,14 @@ class Strategy:
         return DistributedDataset.from_function(self, dataset_fn, options)
 
     # -- internals ---------------------------------------------------------------------
+    def _check_values_are_ours(self, value: Any, what: str) -> None:
+        for leaf in jax.tree_util.tree_leaves(value, is_leaf=is_distributed):
+            if isinstance(leaf, DistributedValues) and leaf._strategy is not self:
+                raise ValueError(
+                    f"strategy.{what} got a {type(leaf).__name__} value of {leaf._strategy!r}, not of "
+                    f"{self!r}; reduce or gather each value with the strategy that produced it."
+                )
+
     def _reduce_one(self, op: ReduceOp, value: Any, axis: int | None) -> Any:
         mirrored_variable = getattr(value, "_distribute_strategy", None) is self and hasattr(value, "value")
         if isinstance(value, Mirrored) or mirrored_variable:
@@ -479,6 +494,11 @@ def _jit_concat(array: jax.Array, axis: int) -> jax.Array:
     return jnp.concatenate([array[r] for r in range(array.shape[0])], axis=axis)
 
 
+def _check_reduce_axis(axis: Any) -> None:
+    if axis is not None and (isinstance(axis, bool) or not isinstance(axis, (int, np.integer))):
+        raise ValueError(f"strategy.reduce: axis must be None or an int, got {axis!r}.")
+
+
 def _check_run_args(args: Any, kwargs: Any) -> None:
     if not isinstance(args, (tuple, list)):
         raise ValueError(
@@ -493,7 +513,7 @@ def _require_cross_replica(what: str, fix: str) -> None:
     if _context.current_replica_context() is not None:
         raise RuntimeError(
             f"{what} may only be called in cross-replica context (outside strategy.run); "
-            f"it was called inside the replica function. Inside run, {fix}."
+            f"it was called inside the replica function. Inside run, {fix} instead."
         )
 
 
@@ -526,11 +546,18 @@ class _DefaultStrategy(Strategy):
 
         if _context.current_replica_context() is not None:
             return fn(*args, **(kwargs or {}))
-        return tracing.run(self, fn, tuple(args), dict(kwargs or {}))
+        outputs = tracing.run(self, fn, tuple(args), dict(kwargs or {}))
+        # One replica: plain values, as TF's default strategy returns.
+        return jax.tree_util.tree_map(lambda v: v.values[0], outputs, is_leaf=is_distributed)
 
     def reduce(self, reduce_op: ReduceOp | str, value: Any, axis: int | None = None) -> Any:
         op = ReduceOp.from_value(reduce_op)
-        return jax.tree_util.tree_map(lambda v: _reduce_plain(op, jnp.asarray(v), axis), value)
+        _check_reduce_axis(axis)
+        return jax.tree_util.tree_map(
+            lambda v: _reduce_plain(op, jnp.asarray(v.values[0] if is_distributed(v) else v), axis),
+            value,
+            is_leaf=is_distributed,
+        )
 
     def gather(self, value: Any, axis: int) -> Any:
         return value

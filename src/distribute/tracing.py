@@ -94,6 +94,9 @@ class _TraceRecord:
 
 def run(strategy: Any, fn: Callable, args: tuple, kwargs: dict) -> Any:
     """Runs ``fn`` on every replica of ``strategy``; see ``Strategy.run``."""
+    from distribute.keras_support.hooks import install
+
+    install()
     ext = strategy.extended
     leaves, treedef = jax.tree_util.tree_flatten((args, kwargs), is_leaf=_is_input_leaf)
     kinds, dynamic, statics, key_parts = [], [], [], []
@@ -120,7 +123,7 @@ def run(strategy: Any, fn: Callable, args: tuple, kwargs: dict) -> Any:
             array = leaf._array if isinstance(leaf, Mirrored) else leaf
             kinds.append(_REPLICATED)
             dynamic.append(array)
-            key_parts.append((_REPLICATED, array.shape, np.dtype(array.dtype)))
+            key_parts.append((_REPLICATED, array.shape, array.dtype))
         else:
             kinds.append(_STATIC)
             statics.append(leaf)
@@ -168,7 +171,7 @@ def _compile(strategy, fn, treedef, kinds, statics, padded_rows, sharded, replic
         if record.missing or any(i not in written for i in record.written):
             known, written = new_known, {**written, **record.written}
             continue
-        _check_ownership(strategy, list(known.values()))
+        check_ownership(strategy, list(known.values()))
         return _Program(
             read_vars=read_vars,
             write_vars=write_vars,
@@ -235,6 +238,8 @@ def _combine_replicas(var: KerasVariable, new: Any, old: Any) -> Any:
         return old + lax.psum(new - old, AXIS)
     if AXIS not in _varying_axes(new):
         return new
+    if lax.axis_size(AXIS) == 1:
+        return lax.psum(new, AXIS)  # one replica: its value is the value
     if aggregation == "none" and not var.trainable:
         aggregation = "mean"
     if aggregation == "mean":
@@ -290,17 +295,22 @@ def _as_output(x: Any) -> jax.Array:
         ) from err
 
 
-def _check_ownership(strategy, variables: list) -> None:
+def check_ownership(strategy, variables: list) -> None:
     from distribute.keras_support.hooks import describe_owner
 
     for var in variables:
         if not strategy.extended._owns(var):
             where = getattr(var, "_distribute_strategy", None)
-            made = "outside any strategy.scope()" if where is None else f"in the scope of {where!r}"
+            if where is None:
+                raise ValueError(
+                    f"{describe_owner(var)} was created outside any strategy.scope() and is used "
+                    f"with {strategy!r} (strategy.run or model.fit). Create models, optimizers and "
+                    "metrics inside the scope: `with strategy.scope(): model = ...; optimizer = ...`."
+                )
             raise ValueError(
-                f"{describe_owner(var)} was created {made} and is used with "
-                f"{strategy!r} (strategy.run or model.fit). Create models, optimizers and "
-                "metrics inside the scope: `with strategy.scope(): model = ...; optimizer = ...`."
+                f"{describe_owner(var)} belongs to {where!r} (it was created in that scope) and is "
+                f"used with {strategy!r}. Use each model, optimizer and metric with the strategy "
+                "whose scope created it."
             )
 
 

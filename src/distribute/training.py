@@ -28,8 +28,9 @@ def load_data(path: str | None, seed: int) -> tuple[np.ndarray, np.ndarray, np.n
     ``y_train``, ``x_test``, ``y_test`` (Keras' ``mnist.npz`` layout).
 
     Raises:
-        JobError: the file is missing, not an ``.npz``, lacks a key, or its
-            arrays do not fit together.
+        JobError: the file is missing, not an ``.npz`` or corrupt, lacks a key,
+            its arrays are empty, hold NaN/inf images or non-integer, one-hot or
+            negative labels, or do not fit together.
     """
     if path is None:
         from sklearn.datasets import load_digits
@@ -40,31 +41,115 @@ def load_data(path: str | None, seed: int) -> tuple[np.ndarray, np.ndarray, np.n
         y = digits.target.astype(np.int32)
         x_train, x_test, y_train, y_test = train_test_split(x, y, test_size=0.2, random_state=seed, stratify=y)
         return x_train, y_train, x_test, y_test, "UCI digits (scikit-learn)"
-    try:
-        with np.load(path, allow_pickle=False) as archive:
-            missing = [k for k in ("x_train", "y_train", "x_test", "y_test") if k not in archive.files]
-            if missing:
-                raise JobError(f"cannot read --data {path}: missing arrays {missing}; expected x_train, y_train, x_test, y_test")
-            arrays = {k: archive[k] for k in ("x_train", "y_train", "x_test", "y_test")}
-    except JobError:
-        raise
-    except (OSError, ValueError, EOFError) as err:
-        raise JobError(f"cannot read --data {path}: {err}") from None
+    arrays = _read_npz(path)
     x_train, x_test = (_flatten_images(arrays[k], k, path) for k in ("x_train", "x_test"))
-    y_train, y_test = (arrays[k].astype(np.int32).reshape(-1) for k in ("y_train", "y_test"))
-    if len(x_train) != len(y_train) or len(x_test) != len(y_test) or x_train.shape[1] != x_test.shape[1]:
-        raise JobError(f"cannot read --data {path}: x and y sizes or feature counts do not match")
-    if len(x_train) == 0 or len(x_test) == 0:
-        raise JobError(f"cannot read --data {path}: the train or test split is empty")
+    y_train, y_test = (_labels(arrays[k], k, path) for k in ("y_train", "y_test"))
+    for x_key, x, y_key, y in (("x_train", x_train, "y_train", y_train), ("x_test", x_test, "y_test", y_test)):
+        if len(x) != len(y):
+            raise JobError(f"--data {path}: {x_key} has {len(x)} examples but {y_key} has {len(y)} labels")
+    if x_train.shape[1] != x_test.shape[1]:
+        raise JobError(f"--data {path}: x_train has {x_train.shape[1]} features per example but x_test has {x_test.shape[1]}")
     return x_train, y_train, x_test, y_test, Path(path).name
 
 
+_NPZ_KEYS = ("x_train", "y_train", "x_test", "y_test")
+
+
+def _read_npz(path: str) -> dict[str, np.ndarray]:
+    """The four arrays of ``path``; any failure is one ``JobError`` line naming the file."""
+    prefix = f"cannot read --data {path}"
+    not_npz = "not an .npz archive (expected a zip of x_train, y_train, x_test, y_test as numpy.savez writes)"
+    try:
+        with open(path, "rb") as file:
+            magic = file.read(6)
+    except OSError as err:
+        raise JobError(f"{prefix}: {err.strerror or err}") from None
+    if not magic:
+        raise JobError(f"{prefix}: the file is empty; {not_npz}")
+    if magic == b"\x93NUMPY":
+        raise JobError(f"{prefix}: it is a single .npy array, {not_npz}")
+    if not magic.startswith(b"PK"):
+        raise JobError(f"{prefix}: {not_npz}")
+    try:
+        archive = np.load(path, allow_pickle=False)
+    except Exception as err:  # noqa: BLE001 - a broken zip raises many kinds; all are the file's fault
+        raise JobError(f"{prefix}: corrupt .npz archive ({_describe(err)})") from None
+    if not isinstance(archive, np.lib.npyio.NpzFile):  # pragma: no cover - the magic check above
+        raise JobError(f"{prefix}: {not_npz}")
+    with archive:
+        missing = [k for k in _NPZ_KEYS if k not in archive.files]
+        if missing:
+            raise JobError(f"{prefix}: missing arrays {missing}; expected x_train, y_train, x_test, y_test")
+        arrays = {}
+        for key in _NPZ_KEYS:
+            try:
+                arrays[key] = np.asarray(archive[key])
+            except Exception as err:  # noqa: BLE001 - corrupt member, pickled objects, bad header
+                raise JobError(f"{prefix}: cannot read {key} ({_describe(err)})") from None
+    return arrays
+
+
+def _describe(err: BaseException) -> str:
+    text = " ".join(str(err).split())
+    return f"{type(err).__name__}: {text}" if text else type(err).__name__
+
+
 def _flatten_images(x: np.ndarray, key: str, path: str) -> np.ndarray:
-    if x.ndim < 2 or not np.issubdtype(x.dtype, np.number):
-        raise JobError(f"cannot read --data {path}: {key} must be numeric images (n, ...), got shape {x.shape} dtype {x.dtype}")
-    x = x.reshape(len(x), -1).astype(np.float32)
-    peak = float(x.max()) if x.size else 1.0
+    if x.ndim < 2 or not (np.issubdtype(x.dtype, np.integer) or np.issubdtype(x.dtype, np.floating)):
+        raise JobError(f"--data {path}: {key} must be numeric images (n, ...), got shape {x.shape} dtype {x.dtype}")
+    if x.shape[0] == 0:
+        raise JobError(f"--data {path}: {key} is empty (shape {x.shape}); it needs at least one example")
+    if x.size == 0:
+        raise JobError(f"--data {path}: {key} has no features (shape {x.shape})")
+    x = x.reshape(len(x), -1)
+    with np.errstate(over="ignore"):
+        x = x.astype(np.float32)
+    finite = np.isfinite(x)
+    if not finite.all():
+        bad, first = int(finite.size - finite.sum()), int(np.argmin(finite.all(axis=1)))
+        raise JobError(f"--data {path}: {key} has {bad} non-finite values (NaN or inf, or too large for float32), "
+                       f"the first in example {first}")
+    peak = float(x.max())
     return x / peak if peak > 1.0 else x
+
+
+def _labels(y: np.ndarray, key: str, path: str) -> np.ndarray:
+    """``y`` as int32 class labels of shape ``(n,)``; rejects one-hot, fractional and negative labels."""
+    if y.ndim == 2 and y.shape[1] == 1:
+        y = y[:, 0]
+    if y.ndim != 1:
+        hint = "; one-hot labels? pass y.argmax(axis=1)" if y.ndim == 2 else ""
+        raise JobError(f"--data {path}: {key} must be integer class labels of shape (n,), got shape {y.shape}{hint}")
+    if np.issubdtype(y.dtype, np.floating):
+        finite = np.isfinite(y)
+        if not finite.all():
+            raise JobError(f"--data {path}: {key} has {int(y.size - finite.sum())} non-finite labels (NaN or inf)")
+        fractional = y[y != np.round(y)]
+        if fractional.size:
+            raise JobError(f"--data {path}: {key} must be integer class labels, got non-integral values such as {fractional[0]}")
+    elif not np.issubdtype(y.dtype, np.integer):
+        raise JobError(f"--data {path}: {key} must be integer class labels, got dtype {y.dtype}")
+    if y.size and y.min() < 0:
+        raise JobError(f"--data {path}: {key} has negative labels (smallest {y.min()}); class labels run from 0")
+    if y.size and y.max() >= 2**31 - 1:
+        raise JobError(f"--data {path}: {key} has a label {y.max()} too large for a class index")
+    return y.astype(np.int32)
+
+
+def check_labels(y_train: np.ndarray, y_test: np.ndarray, source: str) -> int:
+    """The class count, ``max(y_train) + 1``; at least 2 and covering every test label.
+
+    Raises:
+        JobError: fewer than 2 classes, or test labels the training split lacks.
+    """
+    num_classes = int(y_train.max()) + 1
+    if num_classes < 2:
+        raise JobError(f"{source}: y_train has only class 0; a classifier needs at least 2 classes (labels 0..k-1, k >= 2)")
+    unknown = np.unique(y_test[y_test >= num_classes])
+    if unknown.size:
+        shown = ", ".join(str(v) for v in unknown[:5]) + (", ..." if unknown.size > 5 else "")
+        raise JobError(f"{source}: y_test has labels outside the training classes 0..{num_classes - 1}: {shown}")
+    return num_classes
 
 
 # -- strategy and model --------------------------------------------------------------------
@@ -114,12 +199,14 @@ def train(args: argparse.Namespace) -> dict:
     ``curves.png`` to ``args.output``.
 
     Raises:
-        JobError: unreadable data, too few devices, or an unwritable output directory.
+        JobError: unreadable or invalid data (see ``load_data``; also fewer than
+            2 classes or test labels the training split lacks), too few
+            devices, or an unwritable output directory.
     """
-    import keras
-
     x_train, y_train, x_test, y_test, data_name = load_data(args.data, args.seed)
-    num_classes = int(max(y_train.max(), y_test.max())) + 1
+    num_classes = check_labels(y_train, y_test, f"--data {args.data}" if args.data else data_name)
+    import keras  # after the data checks, so a bad --data file is reported without the wait
+
     output = Path(args.output)
     try:
         output.mkdir(parents=True, exist_ok=True)
@@ -163,9 +250,13 @@ def _fit(strategy, model, args, x_train, y_train, x_test, y_test) -> dict:
         def on_train_batch_end(self, batch, logs=None):
             self.train_seconds = time.perf_counter() - self.start
 
+    # Keras appends its own ProgbarLogger after our callbacks, so our line would land in the
+    # middle of its unfinished progress-bar line; listed first, it ends its line before ours
+    # (CallbackList adds no second one when the list already holds a ProgbarLogger).
+    callbacks = [keras.callbacks.ProgbarLogger(), EpochSummary()] if args.verbose else [EpochSummary()]
     result = model.fit(
         x_train, y_train, batch_size=args.global_batch_size, epochs=args.epochs,
-        validation_data=(x_test, y_test), verbose=args.verbose, callbacks=[EpochSummary()],
+        validation_data=(x_test, y_test), verbose=args.verbose, callbacks=callbacks,
     )
     return {k: [float(v) for v in vals] for k, vals in result.history.items()}
 
@@ -206,18 +297,26 @@ def _custom_loop(strategy, model, args, x_train, y_train, x_test, y_test) -> dic
     for epoch in range(args.epochs):
         for metric in (train_accuracy, test_loss, test_accuracy):
             metric.reset_state()
-        progress = keras.utils.Progbar(steps, verbose=args.verbose, stateful_metrics=["loss"]) if args.verbose else None
+        progress = None
+        if args.verbose:  # the same layout as fit's: "Epoch i/n", the bar (or one line), the summary
+            if args.epochs > 1:
+                print(f"Epoch {epoch + 1}/{args.epochs}")
+            progress = keras.utils.Progbar(steps, verbose=args.verbose, unit_name="step",
+                                           stateful_metrics=["loss", "accuracy"])
         start, total, count = time.perf_counter(), 0.0, 0
         for step, (x, y) in enumerate(train_dist, start=1):
             loss = strategy.reduce("SUM", strategy.run(train_step, args=(x, y)), axis=None)
             total, count = total + float(loss), count + 1
-            if progress is not None:
-                progress.update(step, [("loss", total / count)])
+            if progress is not None and step < steps:
+                progress.update(step, [("accuracy", float(train_accuracy.result())), ("loss", total / count)], finalize=False)
         seconds = time.perf_counter() - start
         for x, y in test_dist:
             strategy.run(test_step, args=(x, y))
         logs = {"loss": total / count, "accuracy": float(train_accuracy.result()),
                 "val_loss": float(test_loss.result()), "val_accuracy": float(test_accuracy.result())}
+        if progress is not None:  # finished after the test pass, with its numbers, as fit's bar is
+            progress.update(steps, [("accuracy", logs["accuracy"]), ("loss", logs["loss"]),
+                                    ("val_accuracy", logs["val_accuracy"]), ("val_loss", logs["val_loss"])], finalize=True)
         for key, value in logs.items():
             history[key].append(value)
         print(_epoch_line(epoch + 1, args.epochs, logs, len(x_train), seconds))

@@ -11,6 +11,15 @@ outside a strategy:
   ``apply_gradients``) and refuses to run for another strategy;
 * a metric created in scope remembers the strategy, and inside a padded step its
   ``update_state`` weights the padding rows by zero;
+* inside a padded step, BatchNormalization computes its batch statistics over
+  the real rows only (Keras' ``mask`` argument), as TF's per-replica BatchNorm
+  does over each replica's real batch;
+* inside a padded step, activity regularizers see only the real rows, scaled so
+  that the replicas' losses add up to one device's (Keras divides them by the
+  batch size);
+* inside ``strategy.run`` and fit, each replica draws its own random numbers
+  (Dropout masks differ between replicas, as in TF) while the seed generator's
+  state stays mirrored;
 * a model compiled in scope trains, evaluates and predicts over all replicas
   (``trainer.py``).
 """
@@ -25,7 +34,7 @@ from typing import Any
 import jax.numpy as jnp
 
 from distribute import _context
-from distribute.tracing import sum_gradients
+from distribute.tracing import check_ownership, sum_gradients
 
 AXIS = "replica"
 _INSTALLED: list[bool] = []
@@ -37,8 +46,11 @@ def install() -> None:
     if _INSTALLED:
         return
     from keras.src.backend.jax.core import JaxVariable
+    from keras.src.layers.layer import Layer
+    from keras.src.layers.normalization.batch_normalization import BatchNormalization
     from keras.src.metrics.metric import Metric
     from keras.src.optimizers.base_optimizer import BaseOptimizer
+    from keras.src.random.seed_generator import SeedGenerator
 
     from distribute.keras_support import trainer
 
@@ -46,6 +58,10 @@ def install() -> None:
     _patch(BaseOptimizer, "__init__", _optimizer_init)
     _patch(BaseOptimizer, "apply", _optimizer_apply)
     _patch(Metric, "__init__", _metric_init)
+    _patch(BatchNormalization, "call", _batch_norm_call)
+    _patch(BatchNormalization, "_moments", _batch_norm_moments)
+    _install_activity_regularizer_property(Layer)
+    _patch(SeedGenerator, "next", _seed_next)
     trainer.install()
     _INSTALLED.append(True)
 
@@ -82,12 +98,8 @@ def _optimizer_apply(original):
         context = _context.current_replica_context()
         if context is not None and context._in_program:
             strategy = context.strategy
-            if not strategy.extended._owns(self):
-                raise ValueError(
-                    f"{describe_object(self)} was created outside strategy.scope() and is used "
-                    f"inside {strategy!r}.run. Create it inside the scope: "
-                    "`with strategy.scope(): optimizer = keras.optimizers.Adam(...)`."
-                )
+            # Its step counter was created with it: the same error as for any variable.
+            check_ownership(strategy, [self.iterations])
             grads = sum_gradients(list(grads))
         return original(self, grads, trainable_variables)
 
@@ -136,6 +148,104 @@ def _masked_update(metric: Any, update_state: Any):
         return update_state(*bound.args, **bound.kwargs)
 
     return masked
+
+
+def _batch_norm_call(original):
+    def call(self, inputs, training=None, mask=None):
+        context = _context.current_replica_context()
+        if mask is None and context is not None and context._valid_count is not None:
+            rows = _context_mask(context, inputs)
+            if rows is not None:
+                if self.axis not in (-1, len(inputs.shape) - 1):
+                    raise NotImplementedError(
+                        f"BatchNormalization(axis={self.axis}) in a padded (partial) batch: only the "
+                        "last axis can leave the padding rows out of its statistics. Use axis=-1, or "
+                        "drop the last partial batch (batch(..., drop_remainder=True))."
+                    )
+                shape = (rows.shape[0],) + (1,) * (len(inputs.shape) - 2)
+                mask = jnp.broadcast_to(rows.reshape(shape), tuple(inputs.shape[:-1]))
+        return original(self, inputs, training=training, mask=mask)
+
+    return call
+
+
+def _batch_norm_moments(original):
+    """Masked moments over the real rows.
+
+    Keras 3.15's masked path squeezes every size-1 dim (a 1-channel layer breaks)
+    and divides by ``count + epsilon``; this one reduces exactly the layer's
+    reduction axes and divides by the count.
+    """
+
+    def _moments(self, inputs, mask):
+        if mask is None:
+            return original(self, inputs, mask)
+        axes = tuple(self._reduction_axes)
+        weights = jnp.broadcast_to(jnp.expand_dims(mask, -1), inputs.shape).astype(inputs.dtype)
+        count = jnp.maximum(jnp.sum(weights, axis=axes, keepdims=True), 1)
+        mean = jnp.sum(inputs * weights, axis=axes, keepdims=True) / count
+        variance = jnp.sum(jnp.square(inputs - mean) * weights, axis=axes, keepdims=True) / count
+        return jnp.squeeze(mean, axis=axes), jnp.squeeze(variance, axis=axes)
+
+    return _moments
+
+
+def _install_activity_regularizer_property(layer_cls: type) -> None:
+    """``Layer.activity_regularizer`` becomes a property that masks padding rows in padded steps."""
+
+    def get(self):
+        regularizer = self.__dict__.get("_distribute_activity_regularizer")
+        context = _context.current_replica_context()
+        if regularizer is None or context is None or context._valid_count is None:
+            return regularizer
+        return _PaddingAwareRegularizer(regularizer, context)
+
+    def set(self, value):
+        self.__dict__["_distribute_activity_regularizer"] = value
+
+    layer_cls.activity_regularizer = property(get, set)
+
+
+class _PaddingAwareRegularizer:
+    """Applies a regularizer to the real rows of a padded batch.
+
+    Keras divides an activity loss by the batch's rows (padding included) and the
+    distributed step divides layer losses by the replica count; the factor
+    ``rows * replicas / real rows in the global batch`` makes the replicas' losses
+    sum to ``regularizer(all real rows) / real rows``, one device's value.
+    """
+
+    def __init__(self, regularizer: Any, context: Any):
+        self._regularizer, self._context = regularizer, context
+
+    def __call__(self, output: Any) -> Any:
+        mask = _context_mask(self._context, output)
+        if mask is None:
+            return self._regularizer(output)
+        shape = (mask.shape[0],) + (1,) * (output.ndim - 1)
+        loss = self._regularizer(jnp.where(mask.reshape(shape), output, 0))
+        factor = output.shape[0] * self._context.num_replicas_in_sync / jnp.maximum(self._context._global_valid_count(), 1)
+        return loss * factor.astype(loss.dtype)
+
+
+def _context_mask(context: Any, inputs: Any) -> Any:
+    shape = getattr(inputs, "shape", None)
+    if not shape or len(shape) < 2:
+        return None
+    return context._mask_for(shape[0])
+
+
+def _seed_next(original):
+    def next(self, ordered=True):
+        seed = original(self, ordered=ordered)
+        context = _context.current_replica_context()
+        if context is None or not context._in_program or context.num_replicas_in_sync == 1:
+            return seed
+        # A different stream per replica; the generator's state itself stays mirrored.
+        replica = context.replica_id_in_sync_group.astype(seed.dtype)
+        return seed + jnp.stack([replica * jnp.asarray(0x9E3779B1 % (2**31), seed.dtype), jnp.zeros((), seed.dtype)])
+
+    return next
 
 
 def describe_object(obj: Any) -> str:

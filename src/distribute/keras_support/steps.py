@@ -18,7 +18,8 @@ Exactness (results equal one device's):
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+from typing import Any, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -74,32 +75,75 @@ def _check_reductions(model: Any) -> None:
             )
 
 
+@contextlib.contextmanager
+def _capturing_output_losses(model: Any) -> Iterator[list]:
+    """Holds back the per-output loss trackers of a multi-output model.
+
+    Keras' CompileLoss updates one Mean per output with that output's loss on
+    this replica (a share of the batch's loss, weighted by this replica's rows).
+    The values are captured instead, and ``_update_metrics`` feeds each tracker
+    the whole batch's loss once, as on one device.
+    """
+    trackers = list(getattr(getattr(model, "_compile_loss", None), "metrics", None) or [])
+    captured: list = [None] * len(trackers)
+    saved = [tracker.__dict__.get("update_state") for tracker in trackers]
+
+    def capture(index: int):
+        def update_state(values, sample_weight=None):
+            captured[index] = values
+
+        return update_state
+
+    for index, tracker in enumerate(trackers):
+        object.__setattr__(tracker, "update_state", capture(index))
+    try:
+        yield captured
+    finally:
+        for tracker, method in zip(trackers, saved):
+            if method is None:
+                object.__delattr__(tracker, "update_state")
+            else:
+                object.__setattr__(tracker, "update_state", method)
+
+
 def _loss(model, trainable, non_trainable, metrics_vars, x, y, loss_weight, training, num_replicas):
+    """This replica's share of the batch's loss; also returns the per-output losses (multi-output)."""
     kwargs = {"training": training} if model._call_has_training_arg else {}
     y_pred, non_trainable, layer_losses = model.stateless_call(trainable, non_trainable, x, return_losses=True, **kwargs)
     if layer_losses:
         # Every replica adds the layers' losses; each adds its share.
         model._losses_override = [loss / num_replicas for loss in layer_losses]
-    loss, (trainable, non_trainable, metrics_vars) = model.stateless_compute_loss(
-        trainable, non_trainable, metrics_vars, x=x, y=y, y_pred=y_pred, sample_weight=loss_weight, training=training
-    )
+    with _capturing_output_losses(model) as output_losses:
+        loss, (trainable, non_trainable, metrics_vars) = model.stateless_compute_loss(
+            trainable, non_trainable, metrics_vars, x=x, y=y, y_pred=y_pred, sample_weight=loss_weight, training=training
+        )
     if layer_losses:
         model._losses_override = []
     _check_reductions(model)
-    return loss, y_pred, non_trainable, metrics_vars
+    return loss, y_pred, non_trainable, metrics_vars, output_losses
 
 
-def _update_metrics(model, metrics_vars, global_loss, global_rows, x, y, y_pred, metric_weight):
+def _update_metrics(model, start_vars, metrics_vars, global_loss, output_losses, global_rows, x, y, y_pred, metric_weight):
+    """Updates the loss trackers (once, by replica 0) and compiled metrics; sums them over replicas.
+
+    ``start_vars`` are the metric variables at the start of the step: each
+    replica's change since then is added up (sync-on-read SUM).
+    """
     first = lax.axis_index(AXIS) == 0
+    weight = jnp.where(first, global_rows, 0.0)
     mapping = list(zip(model.metrics_variables, metrics_vars))
     with keras_backend.StatelessScope(state_mapping=mapping) as scope:
-        model._loss_tracker.update_state(global_loss, sample_weight=jnp.where(first, global_rows, 0.0))
+        model._loss_tracker.update_state(global_loss, sample_weight=weight)
+        trackers = getattr(getattr(model, "_compile_loss", None), "metrics", None) or []
+        for tracker, value in zip(trackers, output_losses):
+            if value is not None:
+                tracker.update_state(lax.psum(value, AXIS), sample_weight=weight)
         model.compute_metrics(x, y, y_pred, metric_weight)
     new = []
     for ref, old in zip(model.metrics_variables, metrics_vars):
         value = scope.get_current_value(ref)
         new.append(old if value is None else value)
-    new = [_combine_replicas(ref, value, old) for ref, value, old in zip(model.metrics_variables, new, metrics_vars)]
+    new = [_combine_replicas(ref, value, start) for ref, value, start in zip(model.metrics_variables, new, start_vars)]
     with keras_backend.StatelessScope(state_mapping=list(zip(model.metrics_variables, new))):
         logs = model.get_metrics_result()
     return logs, new
@@ -126,16 +170,16 @@ def train_step(model: Any, strategy: Any, variables: list, treedef: Any, rows: i
         with _context.enter_replica(strategy, _replica_context(strategy, valid, rows)):
 
             def loss_fn(trainable_):
-                loss, y_pred, non_trainable_, metrics_ = _loss(model, trainable_, non_trainable, metrics_vars, x, y, loss_weight, True, num_replicas)
+                loss, y_pred, non_trainable_, metrics_, output_losses = _loss(model, trainable_, non_trainable, metrics_vars, x, y, loss_weight, True, num_replicas)
                 scaled = loss
                 if model.optimizer is not None:
                     mapping = list(zip(model.optimizer.variables, opt_vars))
                     with keras_backend.StatelessScope(state_mapping=mapping):
                         scaled = model.optimizer.scale_loss(loss)
-                return scaled, (loss, y_pred, non_trainable_, metrics_)
+                return scaled, (loss, y_pred, non_trainable_, metrics_, output_losses)
 
-            (_, (loss, y_pred, new_non_trainable, new_metrics)), grads = jax.value_and_grad(loss_fn, has_aux=True)(trainable)
-            logs, new_metrics = _update_metrics(model, new_metrics, lax.psum(loss, AXIS), global_rows, x, y, y_pred, metric_weight)
+            (_, (loss, y_pred, new_non_trainable, new_metrics, output_losses)), grads = jax.value_and_grad(loss_fn, has_aux=True)(trainable)
+            logs, new_metrics = _update_metrics(model, metrics_vars, new_metrics, lax.psum(loss, AXIS), output_losses, global_rows, x, y, y_pred, metric_weight)
         # Outside the replica context: the hooked optimizer would check again.
         new_trainable, new_opt = model.optimizer.stateless_apply(opt_vars, sum_gradients(grads), trainable)
         state = (list(new_trainable), _fold(variables[1], new_non_trainable, non_trainable), _fold(variables[2], new_opt, opt_vars), new_metrics)
@@ -153,8 +197,8 @@ def test_step(model: Any, strategy: Any, variables: list, treedef: Any, rows: in
         x, y, sample_weight = _unpack(treedef, [leaf[0] for leaf in leaves])
         loss_weight, metric_weight, _, global_rows = _weights(model, x, sample_weight, valid, rows, num_replicas)
         with _context.enter_replica(strategy, _replica_context(strategy, valid, rows)):
-            loss, y_pred, new_non_trainable, metrics_vars = _loss(model, trainable, non_trainable, metrics_vars, x, y, loss_weight, False, num_replicas)
-            logs, new_metrics = _update_metrics(model, metrics_vars, lax.psum(loss, AXIS), global_rows, x, y, y_pred, metric_weight)
+            loss, y_pred, new_non_trainable, new_metrics, output_losses = _loss(model, trainable, non_trainable, metrics_vars, x, y, loss_weight, False, num_replicas)
+            logs, new_metrics = _update_metrics(model, metrics_vars, new_metrics, lax.psum(loss, AXIS), output_losses, global_rows, x, y, y_pred, metric_weight)
         return logs, (list(trainable), _fold(variables[1], new_non_trainable, non_trainable), new_metrics)
 
     return step

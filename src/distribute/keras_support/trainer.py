@@ -32,7 +32,7 @@ from distribute import _context
 from distribute.input.splitting import split_batch
 from distribute.keras_support import steps
 from distribute.keras_support.data_adapter import adapt
-from distribute.tracing import _check_ownership
+from distribute.tracing import check_ownership
 
 AXIS = "replica"
 _EXACT_REDUCTIONS = {"sum_over_batch_size": "mean", "mean": "mean", "sum": "sum"}
@@ -40,10 +40,10 @@ _EXACT_REDUCTIONS = {"sum_over_batch_size": "mean", "mean": "mean", "sum": "sum"
 
 def install() -> None:
     from keras.src.backend.jax.trainer import JAXTrainer
+    from keras.src.trainers.trainer import Trainer
 
-    for name in ("compile",):
-        original = getattr(JAXTrainer, name)
-        setattr(JAXTrainer, name, functools.wraps(original)(_compile_wrapper(original)))
+    # On the base class: Keras' load_model compares type(model).compile with Trainer.compile.
+    Trainer.compile = functools.wraps(Trainer.compile)(_compile_wrapper(Trainer.compile))
     for name in ("fit", "evaluate", "predict"):
         original = getattr(JAXTrainer, name)
         setattr(JAXTrainer, name, functools.wraps(original)(_in_scope(original)))
@@ -162,7 +162,7 @@ class _StepRunner:
     def _compiled(self, treedef: Any, placed: list, valid: Any, steps: int) -> Any:
         key = (treedef, tuple((p.shape, p.dtype) for p in placed), valid is None, steps)
         if key not in self.cache:
-            _check_ownership(self.strategy, self.variables)
+            check_ownership(self.strategy, self.variables)
             rows = placed[0].shape[1 if steps == 1 else 2]
             step = self.build_step(treedef, rows)
             mesh = self.strategy.extended._mesh
@@ -195,6 +195,13 @@ class _StepRunner:
                 if not batches:
                     raise
                 break
+        try:
+            return self._run(state, batches, steps)
+        except BaseException:
+            _restore_purged(self.variables, state)
+            raise
+
+    def _run(self, state: Any, batches: list, steps: int) -> tuple[list, Any]:
         split = [_split(self.strategy, data, self.rows_seen) for data in batches]
         if self.multi_step and steps > 1 and len(split) == steps and all(lengths is None and treedef == split[0][0] for treedef, _, lengths in split):
             stacked = [_put_steps(self.strategy, np.stack([host[j] for _, host, _ in split])) for j in range(len(split[0][1]))]
@@ -208,6 +215,18 @@ class _StepRunner:
             result, state = self._compiled(treedef, leaves, valid, 1)(state, leaves, valid)
             outputs.append((result, lengths))
         return outputs, state
+
+
+def _restore_purged(variables: list, state: Any) -> None:
+    """Gives back the values Keras took out of the variables for the loop, after a failed step.
+
+    Keras' fit empties the model's variables while its loop holds the state; a
+    step that fails before returning would leave them empty.
+    """
+    values = [value for part in state for value in part]
+    for variable, value in zip(variables, values):
+        if getattr(variable, "_value", 1) is None and not getattr(value, "is_deleted", lambda: False)():
+            variable._value = value
 
 
 def _put_steps(strategy: Any, stacked: np.ndarray) -> jax.Array:
