@@ -172,3 +172,28 @@ def test_activity_regularizer_on_partial_batches_equals_one_device(num_samples):
     np.testing.assert_allclose(got, expected, rtol=1e-5)
     for a, b in zip(model.get_weights(), reference.get_weights()):
         np.testing.assert_allclose(a, b, atol=1e-6)
+
+
+def test_fit_accepts_a_distributed_dataset_like_tf_keras():
+    strategy = mirrored(2)
+    x = np.random.default_rng(0).random((20, 3)).astype("float32")
+    y = x.sum(axis=1, keepdims=True)
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+        model.compile(optimizer="sgd", loss="mse")
+    dataset = Dataset.from_tensor_slices((x, y)).batch(8)
+    distributed = strategy.experimental_distribute_dataset(dataset)
+    from_distributed = model.evaluate(distributed, verbose=0)
+    assert from_distributed == pytest.approx(model.evaluate(x, y, batch_size=8, verbose=0), rel=1e-6)
+    from_function = strategy.distribute_datasets_from_function(lambda ctx: dataset)
+    with pytest.raises(ValueError, match="distribute_datasets_from_function"):
+        model.fit(from_function, verbose=0)
+
+
+def test_int64_values_beyond_int32_are_refused_not_corrupted():
+    strategy = mirrored(2)
+    small = list(strategy.experimental_distribute_dataset(Dataset.from_tensor_slices(np.array([1, 2], np.int64)).batch(2)))
+    assert [np.asarray(v).tolist() for v in strategy.experimental_local_results(small[0])] == [[1], [2]]
+    big = strategy.experimental_distribute_dataset(Dataset.from_tensor_slices(np.array([2**40, 3], np.int64)).batch(2))
+    with pytest.raises(ValueError, match="jax_enable_x64"):
+        list(big)

@@ -168,6 +168,7 @@ class StrategyExtended:
         ``stacked`` is ``(num_local_replicas, ...)``, or ``(num_replicas_in_sync,
         ...)`` (every replica's row; only this worker's rows are used).
         """
+        _check_integers_fit(stacked)
         if jax.process_count() == 1:
             return jax.device_put(stacked, self._per_replica_sharding)
         stacked = np.asarray(stacked)
@@ -190,6 +191,7 @@ class StrategyExtended:
     def _put_replicated(self, value: Any) -> jax.Array:
         if isinstance(value, DistributedValues):
             raise TypeError(f"expected a plain array, got {type(value).__name__}")
+        _check_integers_fit(value)
         return jax.device_put(value, self._replicated_sharding)
 
 
@@ -492,6 +494,24 @@ def _jit_take_rows(array: jax.Array, index: jax.Array) -> jax.Array:
 @functools.partial(jax.jit, static_argnums=(1,))
 def _jit_concat(array: jax.Array, axis: int) -> jax.Array:
     return jnp.concatenate([array[r] for r in range(array.shape[0])], axis=axis)
+
+
+_INT32 = np.iinfo(np.int32)
+
+
+def _check_integers_fit(value: Any) -> None:
+    """64-bit integers become 32-bit on devices unless jax_enable_x64 is set: refuse to lose values."""
+    if not isinstance(value, np.ndarray) or value.dtype not in (np.int64, np.uint64) or not value.size:
+        return
+    if jax.config.jax_enable_x64:
+        return
+    low, high = int(value.min()), int(value.max())
+    if low < _INT32.min or high > _INT32.max:
+        raise ValueError(
+            f"An int64 input holds values in [{low}, {high}], outside int32's range; JAX keeps "
+            "integers in 32 bits unless 64-bit mode is on, so they would be corrupted. Enable it "
+            "before creating arrays: jax.config.update('jax_enable_x64', True)."
+        )
 
 
 def _check_reduce_axis(axis: Any) -> None:

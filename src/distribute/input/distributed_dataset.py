@@ -50,6 +50,7 @@ class DistributedDataset:
         self._rows_per_replica = rows_per_replica
         self._options = options or InputOptions()
         self._cardinality = cardinality
+        self._source = None
 
     @classmethod
     def from_dataset(cls, strategy: Any, dataset: Any, options: InputOptions | None) -> "DistributedDataset":
@@ -66,7 +67,9 @@ class DistributedDataset:
             return ext._agree(ext._dataset_batches(dataset, rows))
 
         cardinality = ext._dataset_cardinality(dataset)
-        return cls(strategy, batches, rows, options, cardinality)
+        distributed = cls(strategy, batches, rows, options, cardinality)
+        distributed._source = dataset  # Keras fit reads the dataset itself (see keras_support/data_adapter.py)
+        return distributed
 
     @classmethod
     def from_function(cls, strategy: Any, dataset_fn: Callable[[InputContext], Any], options: InputOptions | None) -> "DistributedDataset":

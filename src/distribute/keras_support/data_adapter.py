@@ -58,7 +58,22 @@ class DatasetAdapter(DataAdapter):
 
 
 def adapt(value: Any) -> Any:
-    """Wraps a ``distribute.data.Dataset`` in a DatasetAdapter; anything else passes through."""
-    from distribute.data import Dataset
+    """Wraps a ``distribute.data.Dataset`` (or a DistributedDataset made from one, which
+    tf.keras also accepts) in a DatasetAdapter; anything else passes through.
 
+    Raises:
+        ValueError: a DistributedDataset from ``distribute_datasets_from_function``
+            (fit splits global batches itself; pass a dataset of global batches).
+    """
+    from distribute.data import Dataset
+    from distribute.input.distributed_dataset import DistributedDataset
+
+    if isinstance(value, DistributedDataset):
+        if value._source is None:
+            raise ValueError(
+                "Keras fit/evaluate/predict cannot read a dataset made by "
+                "distribute_datasets_from_function; pass a distribute.data.Dataset batched with the "
+                "global batch size (fit splits it between the replicas)."
+            )
+        value = value._source
     return DatasetAdapter(value) if isinstance(value, Dataset) else value
