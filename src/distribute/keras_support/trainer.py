@@ -47,13 +47,9 @@ def install() -> None:
     for name in ("fit", "evaluate", "predict"):
         original = getattr(JAXTrainer, name)
         setattr(JAXTrainer, name, functools.wraps(original)(_in_scope(original)))
-    for name, builder in (
-        ("make_train_function", _make_train_function),
-        ("make_test_function", _make_test_function),
-        ("make_predict_function", _make_predict_function),
-    ):
-        original = getattr(JAXTrainer, name)
-        setattr(JAXTrainer, name, functools.wraps(original)(_routed(original, builder)))
+    for kind in _KINDS:
+        original = getattr(JAXTrainer, f"make_{kind}_function")
+        setattr(JAXTrainer, f"make_{kind}_function", functools.wraps(original)(_routed(original, kind)))
 
 
 def model_strategy(model: Any) -> Any:
@@ -93,12 +89,12 @@ def _in_scope(original):
     return method
 
 
-def _routed(original, builder):
+def _routed(original, kind):
     def make_function(self, force=False):
         strategy = model_strategy(self)
         if strategy is None:
             return original(self, force)
-        return builder(self, strategy, force)
+        return _make_function(self, strategy, force, kind)
 
     return make_function
 
@@ -239,52 +235,43 @@ def _put_steps(strategy: Any, stacked: np.ndarray) -> jax.Array:
     return jax.make_array_from_process_local_data(sharding, stacked, global_shape)
 
 
-def _make_train_function(model, strategy, force):
-    if model.train_function is not None and not force:
-        return model.train_function
-    _check_supported(model, "train_step")
-    variables = _state_variables(model, ("trainable", "non_trainable", "optimizer", "metrics"))
-    runner = _StepRunner(model, strategy, lambda treedef, rows: steps.train_step(model, strategy, variables, treedef, rows), [v for part in variables for v in part])
-
-    def train_function(state, iterator):
-        outputs, state = runner(state, iterator)
-        return outputs[-1][0], state
-
-    model.train_function = train_function
-    return train_function
+# Per kind: the Keras state parts of its step, the step builder, and the attribute
+# Keras keeps the function in.
+_KINDS = {
+    "train": (("trainable", "non_trainable", "optimizer", "metrics"), steps.train_step),
+    "test": (("trainable", "non_trainable", "metrics"), steps.test_step),
+    "predict": (("trainable", "non_trainable"), steps.predict_step),
+}
 
 
-def _make_test_function(model, strategy, force):
-    if model.test_function is not None and not force:
-        return model.test_function
-    _check_supported(model, "test_step")
-    variables = _state_variables(model, ("trainable", "non_trainable", "metrics"))
-    runner = _StepRunner(model, strategy, lambda treedef, rows: steps.test_step(model, strategy, variables, treedef, rows), [v for part in variables for v in part])
+def _make_function(model, strategy, force, kind: str):
+    """Builds ``model.<kind>_function(state, iterator) -> (logs or outputs, state)``."""
+    attribute = f"{kind}_function"
+    if getattr(model, attribute) is not None and not force:
+        return getattr(model, attribute)
+    _check_supported(model, f"{kind}_step")
+    parts, build = _KINDS[kind]
+    variables = _state_variables(model, parts)
+    flat = [v for part in variables for v in part]
+    if kind == "predict":
+        runner = _StepRunner(model, strategy, lambda treedef, rows: build(model, strategy, variables, treedef, rows), flat, P(AXIS), multi_step=False)
 
-    def test_function(state, iterator):
-        outputs, state = runner(state, iterator)
-        return outputs[-1][0], state
+        def function(state, iterator):
+            outputs, state = runner(state, iterator)
+            pieces = [tree.map_structure(lambda o: _real_rows(strategy.extended._to_host(o), lengths), result) for result, lengths in outputs]
+            if len(pieces) == 1:
+                return pieces[0], state
+            return tree.map_structure(lambda *p: np.concatenate(p), *pieces), state
 
-    model.test_function = test_function
-    return test_function
+    else:
+        runner = _StepRunner(model, strategy, lambda treedef, rows: build(model, strategy, variables, treedef, rows), flat)
 
+        def function(state, iterator):
+            outputs, state = runner(state, iterator)
+            return outputs[-1][0], state
 
-def _make_predict_function(model, strategy, force):
-    if model.predict_function is not None and not force:
-        return model.predict_function
-    _check_supported(model, "predict_step")
-    variables = _state_variables(model, ("trainable", "non_trainable"))
-    runner = _StepRunner(model, strategy, lambda treedef, rows: steps.predict_step(model, strategy, variables, treedef, rows), [v for part in variables for v in part], P(AXIS), multi_step=False)
-
-    def predict_function(state, iterator):
-        outputs, state = runner(state, iterator)
-        pieces = [tree.map_structure(lambda o: _real_rows(strategy.extended._to_host(o), lengths), result) for result, lengths in outputs]
-        if len(pieces) == 1:
-            return pieces[0], state
-        return tree.map_structure(lambda *parts: np.concatenate(parts), *pieces), state
-
-    model.predict_function = predict_function
-    return predict_function
+    setattr(model, attribute, function)
+    return function
 
 
 def _real_rows(stacked: np.ndarray, lengths: np.ndarray | None) -> np.ndarray:
