@@ -224,3 +224,30 @@ def test_metrics_updated_in_run_aggregate_real_examples_only(num_replicas):
     assert float(mean.count.value) == n
     for variable in list(mean.variables) + list(acc.variables):
         _assert_mirrored(variable, s)
+
+
+def test_many_queued_steps_on_cpu_devices_do_not_deadlock(tmp_path):
+    # XLA:CPU could wait for ever in an all-reduce rendezvous when hundreds of
+    # collective steps were queued on virtual devices; the strategy bounds them.
+    script = tmp_path / "many_steps.py"
+    script.write_text(
+        "import os\n"
+        "os.environ['XLA_FLAGS'] = '--xla_force_host_platform_device_count=2'\n"
+        "import numpy as np, distribute, keras\n"
+        "strategy = distribute.MirroredStrategy()\n"
+        "with strategy.scope():\n"
+        "    model = keras.Sequential([keras.Input((784,)), keras.layers.Dense(64, activation='relu'), keras.layers.Dense(10)])\n"
+        "    model.compile(optimizer='adam', loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))\n"
+        "x = np.random.default_rng(0).random((40000, 784), dtype=np.float32)\n"
+        "y = np.random.default_rng(1).integers(0, 10, 40000)\n"
+        "model.fit(x, y, batch_size=128, epochs=2, verbose=0)\n"
+        "assert len(strategy.extended._in_flight) <= 2\n"
+        "print('done')\n"
+    )
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in __import__("os").environ.items() if k != "XLA_FLAGS"}
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=240, env=env)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip().endswith("done")

@@ -9,6 +9,7 @@ function into one SPMD program (see ``tracing.py``).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 from typing import Any, Callable, Iterator, Sequence
@@ -22,6 +23,7 @@ from distribute import _context
 from distribute.values import DistributedValues, Mirrored, PerReplica, ReduceOp, is_distributed
 
 AXIS = "replica"
+_MAX_STEPS_IN_FLIGHT = 2
 
 
 class ValueContext:
@@ -57,6 +59,13 @@ class StrategyExtended:
         process = jax.process_index()
         self._local_devices = tuple(d for d in self._devices if d.process_index == process)
         self._compiled: dict = {}  # run's cache, see tracing.py
+        # XLA:CPU runs every virtual device's share of a program on one small thread
+        # pool; with many collective programs queued, devices can wait on each
+        # other's rendezvous for ever. On CPU at most _MAX_STEPS_IN_FLIGHT steps are
+        # queued ahead of the host (GPUs and TPUs queue freely).
+        self._in_flight: collections.deque | None = (
+            collections.deque() if len(self._devices) > 1 and self._devices[0].platform == "cpu" else None
+        )
 
     # -- public, as TF --------------------------------------------------------------
     @property
@@ -131,6 +140,18 @@ class StrategyExtended:
         return fn(var, *args, **(kwargs or {}))
 
     # -- internal ---------------------------------------------------------------------
+    def _step_dispatched(self, outputs: Any) -> None:
+        """Records a dispatched step; waits for an older one when too many are queued (CPU only).
+
+        ``outputs``: arrays the step produces that no later step donates.
+        """
+        if self._in_flight is None:
+            return
+        self._in_flight.append(outputs)
+        if len(self._in_flight) > _MAX_STEPS_IN_FLIGHT:
+            oldest = [a for a in jax.tree_util.tree_leaves(self._in_flight.popleft()) if isinstance(a, jax.Array) and not a.is_deleted()]
+            jax.block_until_ready(oldest)
+
     def _input_pipelines(self) -> tuple[int, int]:
         """(number of input pipelines, this worker's pipeline id): one per worker."""
         return 1, 0

@@ -145,6 +145,7 @@ def run(strategy: Any, fn: Callable, args: tuple, kwargs: dict) -> Any:
     new_vals, outs = program.compiled(read_vals, write_vals, sharded, replicated, valid)
     for var, value in zip(program.write_vars, new_vals):
         var._value = value
+    ext._step_dispatched(outs if outs else new_vals)
     per_replica = [
         PerReplica._from_array(strategy, out, lengths if rows is not None and rows == padded_rows else None)
         for out, rows in zip(outs, program.out_rows)

@@ -202,6 +202,7 @@ class _StepRunner:
         if self.multi_step and steps > 1 and len(split) == steps and all(lengths is None and treedef == split[0][0] for treedef, _, lengths in split):
             stacked = [_put_steps(self.strategy, np.stack([host[j] for _, host, _ in split])) for j in range(len(split[0][1]))]
             result, state = self._compiled(split[0][0], stacked, None, steps)(state, stacked)
+            self.strategy.extended._step_dispatched(result)
             return [(result, None)], state
         ext = self.strategy.extended
         outputs = []
@@ -209,6 +210,7 @@ class _StepRunner:
             leaves = [ext._put_per_replica(x) for x in host]
             valid = None if lengths is None else ext._put_per_replica(lengths.astype(np.int32))
             result, state = self._compiled(treedef, leaves, valid, 1)(state, leaves, valid)
+            self.strategy.extended._step_dispatched(result)
             outputs.append((result, lengths))
         return outputs, state
 
