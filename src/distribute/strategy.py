@@ -141,9 +141,10 @@ class StrategyExtended:
 
     # -- internal ---------------------------------------------------------------------
     def _step_dispatched(self, outputs: Any) -> None:
-        """Records a dispatched step; waits for an older one when too many are queued (CPU only).
+        """Records a dispatched program (a step, a reduce, a gather); waits for an older
+        one when too many are queued (CPU only).
 
-        ``outputs``: arrays the step produces that no later step donates.
+        ``outputs``: arrays the program produces that no later program donates.
         """
         if self._in_flight is None:
             return
@@ -315,9 +316,9 @@ class Strategy:
         _require_cross_replica("strategy.reduce", "use get_replica_context().all_reduce(...)")
         _check_reduce_axis(axis)
         self._check_values_are_ours(value, "reduce")
-        return jax.tree_util.tree_map(
-            lambda v: self._reduce_one(op, v, axis), value, is_leaf=is_distributed
-        )
+        result = jax.tree_util.tree_map(lambda v: self._reduce_one(op, v, axis), value, is_leaf=is_distributed)
+        self._extended._step_dispatched(result)
+        return result
 
     def gather(self, value: Any, axis: int) -> Any:
         """Concatenates the replicas' values along ``axis`` (TF: Strategy.gather).
@@ -333,7 +334,9 @@ class Strategy:
         if isinstance(axis, bool) or not isinstance(axis, (int, np.integer)):
             raise ValueError(f"strategy.gather: axis must be an int, got {axis!r}.")
         self._check_values_are_ours(value, "gather")
-        return jax.tree_util.tree_map(lambda v: self._gather_one(v, axis), value, is_leaf=is_distributed)
+        result = jax.tree_util.tree_map(lambda v: self._gather_one(v, axis), value, is_leaf=is_distributed)
+        self._extended._step_dispatched(result)
+        return result
 
     def experimental_local_results(self, value: Any) -> tuple:
         """This worker's components of ``value``, one per local replica (TF: same name).
