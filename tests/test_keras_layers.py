@@ -197,3 +197,26 @@ def test_int64_values_beyond_int32_are_refused_not_corrupted():
     big = strategy.experimental_distribute_dataset(Dataset.from_tensor_slices(np.array([2**40, 3], np.int64)).batch(2))
     with pytest.raises(ValueError, match="jax_enable_x64"):
         list(big)
+
+
+def test_steps_per_execution_gives_the_same_training_as_one_step_per_call():
+    rng = np.random.default_rng(0)
+    x = rng.random((203, 6)).astype("float32")
+    y = rng.integers(0, 3, 203)
+
+    def train(steps_per_execution, num_replicas):
+        keras.utils.set_random_seed(0)
+        with mirrored(num_replicas).scope():
+            model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, activation="relu"), keras.layers.Dense(3)])
+            model.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                          metrics=["accuracy"], steps_per_execution=steps_per_execution)
+        history = model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0).history
+        return history, model.get_weights()
+
+    expected_history, expected_weights = train(1, 2)
+    for steps, replicas in ((4, 2), (5, 3)):
+        history, weights = train(steps, replicas)
+        for key in expected_history:
+            np.testing.assert_allclose(history[key], expected_history[key], rtol=1e-5)
+        for a, b in zip(weights, expected_weights):
+            np.testing.assert_allclose(a, b, atol=1e-6)
