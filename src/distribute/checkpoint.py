@@ -383,10 +383,12 @@ class CheckpointManager:
 
     @property
     def directory(self) -> str:
+        """The directory checkpoints are written to."""
         return self._directory
 
     @property
     def checkpoint(self) -> Checkpoint:
+        """The Checkpoint this manager saves."""
         return self._checkpoint
 
     def _numbered(self) -> list[tuple[int, str]]:

@@ -42,10 +42,12 @@ class ReplicaContext:
 
     @property
     def strategy(self) -> "Strategy":
+        """The strategy this replica belongs to."""
         return self._strategy
 
     @property
     def num_replicas_in_sync(self) -> int:
+        """Replicas taking part in each step, across all workers."""
         return self._strategy.num_replicas_in_sync
 
     @property
@@ -57,6 +59,7 @@ class ReplicaContext:
 
     @property
     def devices(self) -> tuple[str, ...]:
+        """This worker's devices, as TF-style names."""
         return self._strategy.extended.worker_devices
 
     @property

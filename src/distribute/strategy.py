@@ -85,10 +85,12 @@ class StrategyExtended:
 
     @property
     def should_save_summary(self) -> bool:
+        """Whether this worker should write summaries (TF: the chief only)."""
         return True
 
     @property
     def should_init(self) -> bool:
+        """Whether this worker should initialize variables (always: variables are mirrored)."""
         return True
 
     def variable_created_in_scope(self, v: Any) -> bool:
@@ -233,6 +235,7 @@ class Strategy:
     # -- properties ----------------------------------------------------------------------
     @property
     def extended(self) -> StrategyExtended:
+        """The less common half of the API (TF: ``Strategy.extended``)."""
         return self._extended
 
     @property

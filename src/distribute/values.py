@@ -64,6 +64,7 @@ class DistributedValues:
 
     @property
     def values(self) -> tuple:
+        """This worker's components, one per local replica, padding removed (TF: same name)."""
         return self._local_values()
 
     def _local_values(self) -> tuple:  # pragma: no cover - abstract

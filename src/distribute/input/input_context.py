@@ -69,14 +69,17 @@ class InputContext:
 
     @property
     def num_input_pipelines(self) -> int:
+        """Input pipelines in the job (one per worker by default)."""
         return self._num_input_pipelines
 
     @property
     def input_pipeline_id(self) -> int:
+        """This pipeline's index, in ``[0, num_input_pipelines)``."""
         return self._input_pipeline_id
 
     @property
     def num_replicas_in_sync(self) -> int:
+        """Replicas taking part in each step, across all workers."""
         return self._num_replicas_in_sync
 
     def get_per_replica_batch_size(self, global_batch_size: int) -> int:
