@@ -141,7 +141,7 @@ class DistributedIterator:
     def _place(self, item: tuple) -> Any:
         stacked, treedef, lengths = item
         ext = self._strategy.extended
-        arrays = [ext._put_per_replica(x) for x in stacked]
+        arrays = ext._put_per_replica_all(stacked)
         values = [PerReplica._from_array(self._strategy, a, lengths) for a in arrays]
         return jax.tree_util.tree_unflatten(treedef, values)
 

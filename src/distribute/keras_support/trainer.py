@@ -208,8 +208,10 @@ class _StepRunner:
         ext = self.strategy.extended
         outputs = []
         for treedef, host, lengths in split:
-            leaves = [ext._put_per_replica(x) for x in host]
-            valid = None if lengths is None else ext._put_per_replica(lengths.astype(np.int32))
+            if lengths is None:
+                leaves, valid = ext._put_per_replica_all(host), None
+            else:
+                *leaves, valid = ext._put_per_replica_all([*host, lengths.astype(np.int32)])
             result, state = self._compiled(treedef, leaves, valid, 1)(state, leaves, valid)
             self.strategy.extended._step_dispatched(result)
             outputs.append((result, lengths))

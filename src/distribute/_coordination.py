@@ -1,0 +1,260 @@
+"""The cross-worker runtime under MultiWorkerMirroredStrategy.
+
+Reads the cluster once from a resolver, joins the workers through
+``jax.distributed`` with every wait bounded, publishes heartbeats so a lost
+worker is named within the timeout, and exchanges small values (batch sizes at
+each step, the random seed) through the coordination service's key-value store.
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import os
+import sys
+import threading
+import time
+from typing import Any
+
+import jax
+import numpy as np
+
+
+class WorkerLostError(RuntimeError):
+    """A worker stopped answering within the communication timeout."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Cluster:
+    """This job's synchronous workers, read once from a resolver."""
+
+    num_workers: int
+    worker_id: int
+    is_chief: bool
+    coordinator: str | None
+    names: tuple[str, ...]  # per worker id: "worker 1 (127.0.0.1:1234)"
+
+
+def _read_cluster(resolver: Any) -> _Cluster:
+    from distribute.cluster import roles
+
+    spec = resolver.cluster_spec()
+    if not spec or roles.num_workers(spec) <= 1:
+        return _Cluster(1, 0, True, None, ("worker 0",))
+    task_type, task_id = resolver.task_type, resolver.task_id
+    if task_type is None or task_id is None:
+        raise ValueError(
+            f"The cluster {spec!r} has several workers but the resolver does not say which task "
+            "this process is; set TF_CONFIG's 'task' (or task_type and task_id)."
+        )
+    if task_type not in (roles.CHIEF, roles.WORKER):
+        raise ValueError(
+            f"MultiWorkerMirroredStrategy runs on 'chief' and 'worker' tasks, not {task_type!r}; "
+            "an evaluator uses its own (single-worker) strategy, ps tasks ParameterServerStrategy."
+        )
+    names = []
+    for job in (roles.CHIEF, roles.WORKER):
+        if job in spec.jobs:
+            for i in sorted(spec.task_indices(job)):
+                names.append(f"{job} {i} ({spec.task_address(job, i)})")
+    return _Cluster(
+        num_workers=roles.num_workers(spec),
+        worker_id=roles.worker_index(task_type, task_id, spec),
+        is_chief=roles.is_chief(spec, task_type, task_id),
+        coordinator=roles.coordinator_address(spec),
+        names=tuple(names),
+    )
+
+
+# -- joining the workers -------------------------------------------------------------------
+def _join(cluster: _Cluster, timeout_seconds: float) -> Any:
+    """Starts jax.distributed for ``cluster`` (once per process); returns its client.
+
+    Like ``jax.distributed.initialize`` with every wait bounded by
+    ``timeout_seconds``, and a heartbeat callback that names the lost worker
+    instead of aborting with a bare status.
+    """
+    from jax._src import distributed as jax_distributed
+    from jax._src import xla_bridge
+    from jax._src.lib import _jax
+
+    state = jax_distributed.global_state
+    if state.client is not None:
+        if state.num_processes != cluster.num_workers or state.process_id != cluster.worker_id:
+            raise RuntimeError(
+                f"jax.distributed is already initialized as process {state.process_id} of "
+                f"{state.num_processes}, but the cluster says worker {cluster.worker_id} of "
+                f"{cluster.num_workers}; create the strategy once, from the same cluster."
+            )
+        return state.client
+    if xla_bridge.backends_are_initialized():
+        raise RuntimeError(
+            "MultiWorkerMirroredStrategy must be created before JAX starts its backend (before any "
+            "jax.devices() call or computation), since jax.distributed must join the workers first. "
+            "Create the strategy at the start of the program."
+        )
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    seconds = max(int(round(timeout_seconds)), 1)
+    backstop = 2 * seconds  # jax's own heartbeat abort; the watchdog below names the worker first
+    port = cluster.coordinator.rsplit(":", 1)[1]
+    if cluster.worker_id == 0:
+        state.service = _jax.get_distributed_runtime_service(
+            f"[::]:{port}", cluster.num_workers, heartbeat_timeout=backstop, shutdown_timeout=seconds
+        )
+    state.num_processes = cluster.num_workers
+    state.process_id = cluster.worker_id
+    state.coordinator_address = cluster.coordinator
+    state.client = _jax.get_distributed_runtime_client(
+        cluster.coordinator,
+        cluster.worker_id,
+        init_timeout=seconds,
+        shutdown_timeout=seconds,
+        heartbeat_timeout=backstop,
+        use_compression=True,
+    )
+    try:
+        state.client.connect()
+    except Exception as err:  # noqa: BLE001 - jaxlib raises its own runtime error type
+        raise WorkerLostError(
+            f"worker {cluster.worker_id} could not join the cluster within {seconds} s: "
+            f"{_missing_text(cluster, range(cluster.num_workers))} did not all connect to the "
+            f"coordinator at {cluster.coordinator} ({err}). Start every worker, or raise "
+            "CommunicationOptions.timeout_seconds."
+        ) from err
+    state.initialize_preemption_sync_manager()
+    _Watchdog(state.client, cluster, timeout_seconds).start()
+    return state.client
+
+
+def _missing_text(cluster: _Cluster, ids: Any) -> str:
+    return ", ".join(cluster.names[i] for i in ids if i != cluster.worker_id) or "the other workers"
+
+
+class _Watchdog(threading.Thread):
+    """Every worker publishes a heartbeat counter; a worker whose counter stops for
+    ``timeout_seconds`` is lost: this worker prints whom and exits (a blocked
+    collective cannot be interrupted from Python).  A worker that exits normally
+    says so first and is not counted as lost."""
+
+    def __init__(self, client: Any, cluster: _Cluster, timeout_seconds: float):
+        super().__init__(name="distribute-watchdog", daemon=True)
+        self._client, self._cluster, self._timeout = client, cluster, timeout_seconds
+        self._period = min(1.0, timeout_seconds / 4)
+        self._stopped = threading.Event()
+        atexit.register(self.stop)
+
+    def stop(self) -> None:
+        if not self._stopped.is_set():
+            self._stopped.set()
+            try:
+                self._client.key_value_set(self._key(self._cluster.worker_id), "exited", allow_overwrite=True)
+            except Exception:  # noqa: BLE001 - the service may be gone already
+                pass
+
+    def _key(self, worker_id: int) -> str:
+        return f"distribute/alive/{worker_id}"
+
+    def run(self) -> None:
+        cluster, beat = self._cluster, 0
+        others = [w for w in range(cluster.num_workers) if w != cluster.worker_id]
+        last = {w: (None, time.monotonic()) for w in others}
+        service_ok = time.monotonic()
+        while not self._stopped.wait(self._period):
+            now = time.monotonic()
+            beat += 1
+            try:
+                self._client.key_value_set(self._key(cluster.worker_id), str(beat), allow_overwrite=True)
+                values = {w: self._try_get(self._key(w)) for w in others}
+                service_ok = now
+            except Exception as err:  # noqa: BLE001
+                if now - service_ok > self._timeout and not self._stopped.is_set():
+                    self._fail([0], f"the coordination service on it does not answer ({err})")
+                continue
+            for w, value in values.items():
+                if value == "exited":
+                    last[w] = (value, now)
+                elif value != last[w][0]:
+                    last[w] = (value, now)
+                elif now - last[w][1] > self._timeout and not self._stopped.is_set():
+                    self._fail([w], f"it sent no heartbeat for {self._timeout:g} s")
+
+    def _try_get(self, key: str) -> str | None:
+        try:
+            return self._client.key_value_try_get(key)
+        except Exception as err:  # noqa: BLE001 - NOT_FOUND before the first beat
+            if "NOT_FOUND" in str(err) or "not found" in str(err).lower():
+                return None
+            raise
+
+    def _fail(self, lost: list[int], why: str) -> None:
+        cluster = self._cluster
+        sys.stderr.write(
+            f"\nMultiWorkerMirroredStrategy on {cluster.names[cluster.worker_id]}: lost "
+            f"{_missing_text(cluster, lost)}: {why} (CommunicationOptions.timeout_seconds="
+            f"{self._timeout:g}); the worker died or hangs. Stopping this worker too; restart the "
+            "job (BackupAndRestore resumes from the last backup).\n"
+        )
+        sys.stderr.flush()
+        os._exit(75)
+
+
+class _Exchange:
+    """All-gathers a few bytes between workers through the coordination service, with a timeout."""
+
+    def __init__(self, client: Any, cluster: _Cluster, timeout_seconds: float):
+        self._client, self._cluster, self._timeout = client, cluster, timeout_seconds
+        self._count = 0
+
+    def new_channel(self) -> str:
+        self._count += 1
+        return f"distribute/{self._count}"
+
+    def all_gather(self, key: str, payload: bytes, what: str) -> list[bytes]:
+        cluster = self._cluster
+        self._client.key_value_set_bytes(f"{key}/{cluster.worker_id}", payload)
+        deadline = time.monotonic() + self._timeout
+        out: list[bytes] = []
+        for w in range(cluster.num_workers):
+            if w == cluster.worker_id:
+                out.append(payload)
+                continue
+            remaining_ms = max(int((deadline - time.monotonic()) * 1000), 1)
+            try:
+                out.append(self._client.blocking_key_value_get_bytes(f"{key}/{w}", remaining_ms))
+            except Exception as err:  # noqa: BLE001 - jaxlib's runtime error
+                missing = [v for v in range(w, cluster.num_workers) if v != cluster.worker_id and not self._has(f"{key}/{v}")]
+                raise WorkerLostError(
+                    f"{_missing_text(cluster, missing or [w])} did not reach {what} within "
+                    f"{self._timeout:g} s (CommunicationOptions.timeout_seconds): the worker is lost "
+                    f"or stuck. Restart the job; BackupAndRestore resumes from the last backup. ({err})"
+                ) from err
+        return out
+
+    def _has(self, key: str) -> bool:
+        try:
+            return self._client.key_value_try_get_bytes(key) is not None
+        except Exception:  # noqa: BLE001 - a missing key raises NOT_FOUND
+            return False
+
+    def delete(self, key: str) -> None:
+        try:
+            self._client.key_value_delete(f"{key}/{self._cluster.worker_id}")
+        except Exception:  # noqa: BLE001 - cleanup only
+            pass
+
+
+# -- the strategy ---------------------------------------------------------------------------
+
+
+def _agree_on_seed(exchange: _Exchange) -> None:
+    """Gives every worker Keras' global seed of worker 0, unless one is set (as Keras' own multi-host init).
+
+    Variables are initialized on every worker and must be identical there.
+    """
+    from keras.src.utils import rng_utils
+
+    if rng_utils.get_random_seed() is not None:
+        return
+    mine = int(np.random.SeedSequence().generate_state(1)[0] % (2**31 - 1))
+    seeds = exchange.all_gather(exchange.new_channel(), str(mine).encode(), "the random-seed agreement")
+    rng_utils.set_random_seed(int(seeds[0].decode()))
