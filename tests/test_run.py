@@ -251,3 +251,19 @@ def test_many_queued_steps_on_cpu_devices_do_not_deadlock(tmp_path):
     result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=240, env=env)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip().endswith("done")
+
+
+def test_small_outputs_reduce_without_a_second_program_and_agree_with_the_general_path():
+    strategy = mirrored(2)
+    values = strategy.experimental_distribute_values_from_function(lambda ctx: np.float32(ctx.replica_id_in_sync_group + 1))
+
+    def step(v):
+        return {"loss": v * 2.0, "flag": v > 1.0, "key": jax.random.key(0), "big": jnp.full((100,), v)}
+
+    out = strategy.run(step, args=(values,))
+    assert out["loss"]._sum is not None and out["big"]._sum is None and out["flag"]._sum is None
+    assert float(strategy.reduce("SUM", out["loss"], axis=None)) == 6.0
+    assert float(strategy.reduce("MEAN", out["loss"], axis=None)) == 3.0
+    general = distribute.PerReplica._from_array(strategy, out["loss"]._array)  # no fused sum
+    assert float(strategy.reduce("SUM", general, axis=None)) == 6.0
+    np.testing.assert_allclose(strategy.reduce("SUM", out["big"], axis=None), np.full((100,), 3.0))

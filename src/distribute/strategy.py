@@ -466,6 +466,8 @@ def _without_uniform_padding(value: PerReplica) -> tuple[jax.Array, np.ndarray |
 
 
 def _reduce_per_replica(op: ReduceOp, value: PerReplica, axis: int | None) -> jax.Array:
+    if axis is None and value._sum is not None:  # summed in the step's program already
+        return value._sum if op is ReduceOp.SUM else value._sum / value._array.shape[0]
     array, lengths = _without_uniform_padding(value)
     ndim = array.ndim - 1
     if axis is None:

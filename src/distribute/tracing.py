@@ -42,6 +42,7 @@ from distribute.values import DistributedValues, Mirrored, PerReplica
 
 AXIS = "replica"
 _SHARDED, _REPLICATED, _STATIC = 0, 1, 2
+_FUSED_REDUCE_MAX_SIZE = 64  # elements per replica; bigger outputs are reduced on demand
 
 
 class LiftingScope(StatelessScope):
@@ -82,6 +83,7 @@ class _Program:
     compiled: Any = None
     out_tree: Any = None
     out_rows: list = dataclasses.field(default_factory=list)
+    out_summed: list = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -90,6 +92,7 @@ class _TraceRecord:
     written: dict = dataclasses.field(default_factory=dict)
     out_tree: Any = None
     out_rows: list = dataclasses.field(default_factory=list)
+    out_summed: list = dataclasses.field(default_factory=list)
 
 
 def run(strategy: Any, fn: Callable, args: tuple, kwargs: dict) -> Any:
@@ -142,13 +145,16 @@ def run(strategy: Any, fn: Callable, args: tuple, kwargs: dict) -> Any:
         ext._compiled[key] = program
     read_vals = [_place(v._value, ext._replicated_sharding) for v in program.read_vars]
     write_vals = [_place(v._value, ext._replicated_sharding) for v in program.write_vars]
-    new_vals, outs = program.compiled(read_vals, write_vals, sharded, replicated, valid)
+    new_vals, outs, sums = program.compiled(read_vals, write_vals, sharded, replicated, valid)
     for var, value in zip(program.write_vars, new_vals):
         var._value = value
     ext._step_dispatched(outs if outs else new_vals)
+    sums = iter(sums)
     per_replica = [
-        PerReplica._from_array(strategy, out, lengths if rows is not None and rows == padded_rows else None)
-        for out, rows in zip(outs, program.out_rows)
+        PerReplica._from_array(
+            strategy, out, lengths if rows is not None and rows == padded_rows else None, next(sums) if summed else None
+        )
+        for out, rows, summed in zip(outs, program.out_rows, program.out_summed)
     ]
     return jax.tree_util.tree_unflatten(program.out_tree, per_replica)
 
@@ -179,6 +185,7 @@ def _compile(strategy, fn, treedef, kinds, statics, padded_rows, sharded, replic
             compiled=traced.lower().compile(),
             out_tree=record.out_tree,
             out_rows=record.out_rows,
+            out_summed=record.out_summed,
         )
     raise AssertionError("variable discovery did not converge")  # pragma: no cover
 
@@ -189,7 +196,7 @@ def _shard_and_jit(strategy, body: Callable, num_written: int):
         body,
         mesh=ext._mesh,
         in_specs=(P(), P(), P(AXIS), P(), P(AXIS)),
-        out_specs=(P(), P(AXIS)),
+        out_specs=(P(), P(AXIS), P()),
     )
     return jax.jit(mapped, donate_argnums=(1,))
 
@@ -225,7 +232,15 @@ def _make_body(strategy, fn, treedef, kinds, statics, padded_rows, read_vars, wr
         out_leaves, record.out_tree = jax.tree_util.tree_flatten(result, is_leaf=_is_keras_variable)
         out_leaves = [_as_output(x) for x in out_leaves]
         record.out_rows = [x.shape[0] if x.ndim else None for x in out_leaves]
-        return new_vals, [x[None] for x in out_leaves]
+        # Small outputs (a step's loss) are also summed over replicas here, in the
+        # step's own program: the strategy.reduce(SUM/MEAN, ..., axis=None) that
+        # nearly every loop does after each step then dispatches nothing.
+        record.out_summed = [
+            x.size <= _FUSED_REDUCE_MAX_SIZE and jnp.issubdtype(x.dtype, jnp.number) and (padded_rows is None or rows != padded_rows)
+            for x, rows in zip(out_leaves, record.out_rows)
+        ]
+        sums = [lax.psum(x, AXIS) for x, summed in zip(out_leaves, record.out_summed) if summed]
+        return new_vals, [x[None] for x in out_leaves], sums
 
     return body
 

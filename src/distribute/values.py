@@ -92,7 +92,7 @@ class PerReplica(DistributedValues):
             replicas, or shapes differ beyond dim 0.
     """
 
-    __slots__ = ("_strategy", "_array", "_lengths", "_cached_local")
+    __slots__ = ("_strategy", "_array", "_lengths", "_cached_local", "_sum")
 
     def __init__(self, values: Sequence[Any]):
         from distribute.strategy import get_strategy
@@ -110,16 +110,19 @@ class PerReplica(DistributedValues):
         self._array = strategy.extended._put_per_replica(array)
         self._lengths = lengths
         self._cached_local = None
+        self._sum = None
 
     @classmethod
     def _from_array(
-        cls, strategy: "Strategy", array: jax.Array, lengths: np.ndarray | None = None
+        cls, strategy: "Strategy", array: jax.Array, lengths: np.ndarray | None = None, sum_: jax.Array | None = None
     ) -> "PerReplica":
+        """Wraps a global ``(replicas, ...)`` array; ``sum_`` is its sum over replicas, when known."""
         self = cls.__new__(cls)
         self._strategy = strategy
         self._array = array
         self._lengths = lengths
         self._cached_local = None
+        self._sum = sum_
         return self
 
     def _local_values(self) -> tuple:
