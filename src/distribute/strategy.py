@@ -466,8 +466,11 @@ def _without_uniform_padding(value: PerReplica) -> tuple[jax.Array, np.ndarray |
 
 
 def _reduce_per_replica(op: ReduceOp, value: PerReplica, axis: int | None) -> jax.Array:
-    if axis is None and value._sum is not None:  # summed in the step's program already
-        return value._sum if op is ReduceOp.SUM else value._sum / value._array.shape[0]
+    if axis is None and value._sum is not None:
+        # Summed in the step's program already; one device's copy, as TF returns a
+        # reduced value on one device (so `total += loss` is a one-device op).
+        total = value._sum.addressable_shards[0].data
+        return total if op is ReduceOp.SUM else total / value._array.shape[0]
     array, lengths = _without_uniform_padding(value)
     ndim = array.ndim - 1
     if axis is None:
