@@ -337,6 +337,7 @@ def plot_history(history: dict, path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     epochs = range(1, len(history["loss"]) + 1)
     figure, (left, right) = plt.subplots(1, 2, figsize=(9, 3.5))
@@ -345,6 +346,7 @@ def plot_history(history: dict, path: Path) -> None:
         if f"val_{key}" in history:
             axes.plot(epochs, history[f"val_{key}"], marker="s", label="test")
         axes.set_xlabel("epoch")
+        axes.xaxis.set_major_locator(MaxNLocator(integer=True))
         axes.set_title(title)
         axes.grid(alpha=0.3)
         axes.legend()
