@@ -123,6 +123,13 @@ def _worker(scenario: str, out_dir: str) -> None:
         "should_checkpoint": strategy.extended.should_checkpoint,
         "num_local": len(strategy.extended.worker_devices),
     }
+    if scenario == "raise":
+        dataset = strategy.experimental_distribute_dataset(Dataset.range(1000).batch(strategy.num_replicas_in_sync))
+        for step, batch in enumerate(dataset):
+            strategy.reduce("SUM", strategy.run(lambda v: v + 1, args=(batch,)), axis=None)
+            if step == 3 and me == 1:
+                raise RuntimeError("worker 1 fails on purpose")
+        return
     if scenario == "kill":
         dataset = strategy.experimental_distribute_dataset(Dataset.range(1000).batch(strategy.num_replicas_in_sync))
         for step, batch in enumerate(dataset):
@@ -280,6 +287,21 @@ def test_lost_worker_is_named_within_timeout(tmp_path):
     assert "lost worker 1" in out0 or "worker 1 (127.0.0.1:" in out0
     stamp = next(float(line.split()[-1]) for line in out0.splitlines() if line.startswith("step 3 done"))
     assert ended - stamp < timeout + 5, ended - stamp  # within the timeout (+ the watchdog's period)
+
+
+def test_an_exception_on_one_worker_stops_the_job_within_seconds(tmp_path):
+    """Worker 1 raises mid-training: it must exit at once (not wait at jax.distributed's
+    shutdown barrier), and the launcher stops the others and names it."""
+    from distribute.launch import launch
+
+    env = {"KERAS_BACKEND": "jax", "MW_TIMEOUT": "60",
+           "PYTHONPATH": os.pathsep.join([str(HERE.parents[1] / "src"), os.environ.get("PYTHONPATH", "")])}
+    started = time.time()
+    result = launch([str(HERE), "raise", str(tmp_path)], 2, 1, env=env, timeout_seconds=120, echo=False)
+    assert result.returncode != 0 and not result.timed_out
+    assert result.failed_task is not None and "worker 1" in str(result.failed_task), result.output[-3000:]
+    assert "worker 1 fails on purpose" in result.output
+    assert time.time() - started < 40, result.output[-3000:]
 
 
 def test_main_job_under_the_launcher(tmp_path):

@@ -123,7 +123,31 @@ def _join(cluster: _Cluster, timeout_seconds: float) -> Any:
         ) from err
     state.initialize_preemption_sync_manager()
     _Watchdog(state.client, cluster, timeout_seconds).start()
+    _fail_fast_on_unhandled_exceptions(cluster)
     return state.client
+
+
+def _fail_fast_on_unhandled_exceptions(cluster: _Cluster) -> None:
+    """A worker that dies of an exception exits at once, skipping jax.distributed's shutdown barrier.
+
+    Otherwise it would wait there for workers that are themselves blocked in a
+    collective with it, and the job would hang until the shutdown timeout; exiting
+    lets the launcher (or the others' heartbeat check) stop the job within seconds.
+    """
+    previous = sys.excepthook
+
+    def hook(exc_type, exc, tb):
+        previous(exc_type, exc, tb)
+        print(
+            f"[distribute] {cluster.names[cluster.worker_id]} stops on an unhandled {exc_type.__name__}; "
+            "the other workers will stop too.",
+            file=sys.stderr,
+        )
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+
+    sys.excepthook = hook
 
 
 def _missing_text(cluster: _Cluster, ids: Any) -> str:

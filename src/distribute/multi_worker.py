@@ -227,7 +227,10 @@ class MultiWorkerMirroredStrategy(Strategy):
             evaluator task.
         RuntimeError: created after JAX started its backend, or jax.distributed
             already joined a different cluster.
-        WorkerLostError: the workers did not all join within the timeout.
+        WorkerLostError: the workers did not all join within the timeout, where
+            jaxlib reports it; jaxlib's coordination client may instead end the
+            process itself after the timeout ("Terminating process because the JAX
+            distributed service detected fatal errors").
     """
 
     _extended_cls = MultiWorkerExtended
