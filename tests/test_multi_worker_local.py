@@ -51,3 +51,13 @@ def test_partial_batches_single_worker(strategy):
         for part in strategy.experimental_local_results(batch):
             seen.extend(np.asarray(part).tolist())
     assert seen == list(range(2 * n + 3))
+
+
+def test_a_ps_task_is_refused_even_with_one_worker():
+    from distribute.cluster import TFConfigClusterResolver
+
+    resolver = TFConfigClusterResolver.from_tf_config(
+        '{"cluster": {"worker": ["127.0.0.1:1"], "ps": ["127.0.0.1:2"]}, "task": {"type": "ps", "index": 0}}'
+    )
+    with pytest.raises(ValueError, match="'ps'"):
+        MultiWorkerMirroredStrategy(cluster_resolver=resolver)

@@ -39,9 +39,14 @@ def _read_cluster(resolver: Any) -> _Cluster:
     from distribute.cluster import roles
 
     spec = resolver.cluster_spec()
+    task_type, task_id = resolver.task_type, resolver.task_id
+    if task_type not in (None, roles.CHIEF, roles.WORKER):
+        raise ValueError(
+            f"MultiWorkerMirroredStrategy runs on 'chief' and 'worker' tasks, not {task_type!r}; "
+            "an evaluator uses its own (single-worker) strategy, ps tasks ParameterServerStrategy."
+        )
     if not spec or roles.num_workers(spec) <= 1:
         return _Cluster(1, 0, True, None, ("worker 0",))
-    task_type, task_id = resolver.task_type, resolver.task_id
     if task_type is None or task_id is None:
         raise ValueError(
             f"The cluster {spec!r} has several workers but the resolver does not say which task "
