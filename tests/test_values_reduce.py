@@ -201,3 +201,13 @@ def test_padding_never_shows_when_replicas_have_equal_real_rows():
     y = s.run(lambda v: v * 2.0, args=(x,))
     assert np.asarray(s.reduce("SUM", y, axis=None)).tolist() == [[18.0]]
     assert np.asarray(s.gather(y, axis=1)).tolist() == [[8.0, 10.0]]
+
+
+def test_reduce_of_a_mirrored_keras_variable_counts_every_replica():
+    import keras
+
+    strategy = mirrored(2)
+    with strategy.scope():
+        variable = keras.Variable(np.array([1.0, 2.0], np.float32))
+    np.testing.assert_allclose(strategy.reduce("SUM", variable, axis=None), [2.0, 4.0])
+    np.testing.assert_allclose(strategy.reduce("MEAN", variable, axis=None), [1.0, 2.0])
