@@ -24,7 +24,6 @@ if TYPE_CHECKING:  # pragma: no cover
 class _State:
     strategy: "Strategy | None" = None  # None: the default strategy
     replica_context: "ReplicaContext | None" = None  # set inside run
-    scope_depth: int = 0
 
 
 _STATE: contextvars.ContextVar[_State] = contextvars.ContextVar(
@@ -59,9 +58,7 @@ def enter_scope(strategy: "Strategy") -> Iterator[None]:
         # TF allows re-entering the same scope inside run; it changes nothing.
         yield
         return
-    token = _STATE.set(
-        _State(strategy=strategy, replica_context=None, scope_depth=current.scope_depth + 1)
-    )
+    token = _STATE.set(_State(strategy=strategy, replica_context=None))
     try:
         yield
     finally:
@@ -70,12 +67,19 @@ def enter_scope(strategy: "Strategy") -> Iterator[None]:
 
 @contextlib.contextmanager
 def enter_replica(strategy: "Strategy", replica_context: "ReplicaContext") -> Iterator[None]:
-    current = _STATE.get()
     # The default strategy's replica context is not a strategy scope (has_strategy() stays False).
     scoped = None if getattr(strategy, "_is_default", False) else strategy
-    token = _STATE.set(
-        _State(strategy=scoped, replica_context=replica_context, scope_depth=current.scope_depth)
-    )
+    token = _STATE.set(_State(strategy=scoped, replica_context=replica_context))
+    try:
+        yield
+    finally:
+        _STATE.reset(token)
+
+
+@contextlib.contextmanager
+def leave_replica() -> Iterator[None]:
+    """Cross-replica context for a moment inside a replica function (the engine's own calls)."""
+    token = _STATE.set(_State(strategy=_STATE.get().strategy, replica_context=None))
     try:
         yield
     finally:

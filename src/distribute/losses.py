@@ -17,10 +17,12 @@ def compute_average_loss(per_example_loss: Any, sample_weight: Any = None, globa
     batch size defaults to ``per_replica_batch * num_replicas_in_sync``.  Two
     replicas, ``[1., 2., 3., 4.]`` on each -> ``1.25`` per replica, 2.5 summed.
 
-    Beyond TF: in a step whose batch was padded (the last, partial batch), the
-    padding rows are left out and the default global batch size is the number of
-    real examples across all replicas, so the result equals the single-device
-    mean exactly; a replica with no real examples contributes 0 (never NaN).
+    Beyond TF: in an uneven step (the last, partial batch, split ``ceil(b/R)``
+    rows per replica), the default global batch size is the number of real
+    examples across all replicas (TF: this replica's rows times the replica
+    count), so the sum over replicas equals the single-device mean exactly; a
+    replica with no examples contributes 0 (never NaN).  Two replicas with
+    ``[1., 2., 3., 4.]`` and ``[]``: 2.5 and 0 (TF: 1.25 and 0).
 
     Args:
         per_example_loss: ``(per_replica_batch, ...)`` losses; extra dims are summed.
@@ -46,15 +48,13 @@ def compute_average_loss(per_example_loss: Any, sample_weight: Any = None, globa
     context = _replica_context("compute_average_loss", global_batch_size is None)
     num_replicas = 1 if context is None else context.num_replicas_in_sync
     rows = loss.shape[0] if loss.ndim else 1
-    mask = None if context is None or loss.ndim == 0 else context._mask_for(rows)
-    if mask is not None:
-        loss = jnp.where(mask.reshape(mask.shape + (1,) * (loss.ndim - 1)), loss, 0)
     if global_batch_size is not None:
         if global_batch_size <= 0:
             raise ValueError(f"global_batch_size={global_batch_size} must be positive.")
         divisor = jnp.asarray(global_batch_size, loss.dtype)
-    elif mask is not None:
-        divisor = context._global_valid_count().astype(loss.dtype)
+    elif context is not None and context._global_rows is not None and loss.ndim and rows == context._rows:
+        # One loss per example of this step's batch: the real global batch size.
+        divisor = jnp.asarray(context._global_rows, loss.dtype)
     else:
         divisor = jnp.asarray(rows * num_replicas, loss.dtype)
     total = jnp.sum(loss)

@@ -162,7 +162,7 @@ class MultiWorkerExtended(StrategyExtended):
             for w in workers:
                 part = slice(w * num_local, (w + 1) * num_local)
                 local = [x[part] for x in stacked]
-                counts = np.full(num_local, rows_per_replica, np.int64) if lengths is None else lengths[part]
+                counts = np.full(num_local, local[0].shape[1] if local and local[0].ndim > 1 else 0, np.int64) if lengths is None else lengths[part]
                 yield local, treedef, counts
 
     def _agree(self, batches: Iterator) -> Iterator[tuple[list, Any, np.ndarray | None]]:

@@ -30,11 +30,11 @@ class ReplicaContext:
         ctx.all_gather(jnp.array([1, 2]), 0)   # [1, 2, 1, 2] on both
     """
 
-    def __init__(self, strategy: "Strategy", *, in_program: bool, valid_count: Any = None, padded_rows: int | None = None):
+    def __init__(self, strategy: "Strategy", *, in_program: bool, rows: int | None = None, global_rows: int | None = None):
         self._strategy = strategy
         self._in_program = in_program
-        self._valid_count = valid_count  # this replica's real rows in a padded step (traced int32)
-        self._padded_rows = padded_rows  # rows per replica after padding, when this step is padded
+        self._rows = rows  # this replica's rows in the step's batch (None: no batched input)
+        self._global_rows = global_rows  # the step's rows across all replicas
 
     @classmethod
     def _default(cls, strategy: "Strategy") -> "ReplicaContext":
@@ -61,29 +61,6 @@ class ReplicaContext:
     def devices(self) -> tuple[str, ...]:
         """This worker's devices, as TF-style names."""
         return self._strategy.extended.worker_devices
-
-    @property
-    def example_mask(self) -> jax.Array | None:
-        """Which rows of this replica's batch are real, in a step whose last batch was padded.
-
-        A ``(per_replica_batch,)`` bool array, or None when the step has no
-        padding.  ``compute_average_loss`` and metrics created in scope use it
-        already; use it for hand-written reductions over the batch dim.
-        """
-        if self._valid_count is None:
-            return None
-        return jnp.arange(self._padded_rows) < self._valid_count
-
-    def _mask_for(self, rows: int) -> jax.Array | None:
-        """The example mask if a value with ``rows`` rows is batch-aligned in this step."""
-        if self._valid_count is None or rows != self._padded_rows:
-            return None
-        return self.example_mask
-
-    def _global_valid_count(self) -> jax.Array | None:
-        if self._valid_count is None:
-            return None
-        return lax.psum(self._valid_count, AXIS)
 
     def all_reduce(self, reduce_op: ReduceOp | str, value: Any, options: Any = None) -> Any:
         """Combines ``value`` across all replicas; every replica gets the result (TF: same name).
@@ -128,5 +105,80 @@ class ReplicaContext:
             "compiled SPMD program. Use all_reduce or all_gather for cross-replica values."
         )
 
+    # -- used by the execution engine and the Keras hooks (the threaded context overrides them) --
+    def _sum_gradients(self, grads: list) -> list:
+        """Sums per-replica gradients across replicas (TF's apply_gradients all-reduce)."""
+        if not self._in_program:
+            return list(grads)
+        return sum_gradients(list(grads))
+
+    def _prepare_for_gradients(self, values: list) -> list:
+        """Marks variable values as per-replica so that their gradients stay this replica's (as a tape)."""
+        if not self._in_program:
+            return values
+        return [to_varying(x) for x in values]
+
+    def _combine_all(self, variables: list, new: list, old: list) -> list:
+        """Makes assigned variables identical on every replica, by their aggregation."""
+        if not self._in_program:
+            return list(new)
+        return [combine_replicas(v, n, o) for v, n, o in zip(variables, new, old)]
+
     def __repr__(self) -> str:
         return f"ReplicaContext(strategy={self._strategy!r})"
+
+
+# -- the SPMD program's collectives (JAX's varying-manual-axes typing tells what differs) --
+def combine_replicas(var: Any, new: Any, old: Any) -> Any:
+    """Makes a variable's new value identical on every replica, by its aggregation."""
+    new = jnp.asarray(new, dtype=old.dtype)
+    aggregation = var.aggregation
+    if aggregation == "sum":
+        # Sync-on-read SUM (metrics): every replica's change counts, even identical ones.
+        return old + lax.psum(new - old, AXIS)
+    if AXIS not in _varying_axes(new):
+        return new
+    if lax.axis_size(AXIS) == 1:
+        return lax.psum(new, AXIS)  # one replica: its value is the value
+    if aggregation == "none" and not var.trainable:
+        aggregation = "mean"
+    if aggregation == "mean":
+        return lax.pmean(new, AXIS)
+    if aggregation == "only_first_replica":
+        first = lax.axis_index(AXIS) == 0
+        return lax.psum(jnp.where(first, new, jnp.zeros_like(new)), AXIS)
+    raise different_values_error(var)
+
+
+def different_values_error(var: Any) -> ValueError:
+    return ValueError(
+        f"Variable '{var.path}' was assigned a different value on each replica inside "
+        f"strategy.run, and its aggregation is {var.aggregation!r}, so there is no one "
+        "value to keep (TF: 'You must specify an aggregation method to update a "
+        "MirroredVariable in Replica Context'). Reduce the value first with "
+        "get_replica_context().all_reduce(...), or create the variable with "
+        "aggregation='sum', 'mean' or 'only_first_replica'."
+    )
+
+
+def _varying_axes(x: Any) -> frozenset:
+    """Mesh axes along which ``x`` may differ between replicas (JAX's vma typing)."""
+    aval = jax.typeof(x)
+    vma = getattr(aval, "vma", None)
+    if vma is None:
+        vma = aval.mat.varying
+    return frozenset(vma)
+
+
+def to_varying(x: Any) -> Any:
+    """Marks ``x`` as possibly different on each replica (so its gradient stays local)."""
+    return x if AXIS in _varying_axes(x) else lax.pcast(x, AXIS, to="varying")
+
+
+def sum_gradients(grads: list) -> list:
+    """Sums per-replica gradients across replicas (TF's apply_gradients all-reduce).
+
+    A gradient with respect to a replicated value that JAX's autodiff already
+    summed (it is the same on every replica) is left as it is.
+    """
+    return [g if g is None or AXIS not in _varying_axes(g) else lax.psum(g, AXIS) for g in grads]

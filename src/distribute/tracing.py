@@ -36,12 +36,13 @@ from keras.src.backend.common.stateless_scope import StatelessScope
 from keras.src.backend.common.variables import Variable as KerasVariable
 from keras.src.backend.common.variables import initialize_all_variables
 
-from distribute import _context
-from distribute.replica import ReplicaContext
+from distribute import _context, uneven
+from distribute.replica import ReplicaContext, combine_replicas
 from distribute.values import DistributedValues, Mirrored, PerReplica
 
 AXIS = "replica"
 _SHARDED, _REPLICATED, _STATIC = 0, 1, 2
+_ARRAY_OUT, _SUMMED_OUT, _STATIC_OUT = 0, 1, 2
 _FUSED_REDUCE_MAX_SIZE = 64  # elements per replica; bigger outputs are reduced on demand
 
 
@@ -52,7 +53,7 @@ class LiftingScope(StatelessScope):
     by the parent scope, if any); assignments are recorded in ``written``.
     """
 
-    def __init__(self, mapping: dict[int, Any], parent: "LiftingScope | None" = None):
+    def __init__(self, mapping: dict[int, Any], parent: "LiftingScope | None" = None, device: Any = None):
         # StatelessScope.__init__ converts values eagerly; ours are tracers already.
         self.collect_losses = False
         self.initialize_variables = False
@@ -61,6 +62,7 @@ class LiftingScope(StatelessScope):
         self.parent = parent
         self.missing: dict[int, KerasVariable] = {}
         self.written: dict[int, KerasVariable] = {}
+        self.device = device  # an uneven step's replica device: unmapped variables read their copy there
 
     def add_update(self, update: tuple) -> None:
         variable, value = update
@@ -71,6 +73,8 @@ class LiftingScope(StatelessScope):
         value = self.state_mapping.get(id(variable))
         if value is None and self.parent is not None:
             value = self.parent.get_current_value(variable)
+        if value is None and self.device is not None and variable._value is not None:
+            value = self.state_mapping[id(variable)] = _local_value(variable, self.device)
         if value is None:
             self.missing[id(variable)] = variable
         return value
@@ -82,8 +86,8 @@ class _Program:
     write_vars: list
     compiled: Any = None
     out_tree: Any = None
-    out_rows: list = dataclasses.field(default_factory=list)
-    out_summed: list = dataclasses.field(default_factory=list)
+    out_kinds: list = dataclasses.field(default_factory=list)
+    out_statics: list = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -91,8 +95,8 @@ class _TraceRecord:
     missing: dict = dataclasses.field(default_factory=dict)
     written: dict = dataclasses.field(default_factory=dict)
     out_tree: Any = None
-    out_rows: list = dataclasses.field(default_factory=list)
-    out_summed: list = dataclasses.field(default_factory=list)
+    out_kinds: list = dataclasses.field(default_factory=list)
+    out_statics: list = dataclasses.field(default_factory=list)
 
 
 def run(strategy: Any, fn: Callable, args: tuple, kwargs: dict) -> Any:
@@ -103,7 +107,7 @@ def run(strategy: Any, fn: Callable, args: tuple, kwargs: dict) -> Any:
     ext = strategy.extended
     leaves, treedef = jax.tree_util.tree_flatten((args, kwargs), is_leaf=_is_input_leaf)
     kinds, dynamic, statics, key_parts = [], [], [], []
-    lengths, padded_rows = None, None
+    lengths = None
     for leaf in leaves:
         if isinstance(leaf, PerReplica):
             if leaf._strategy is not strategy:
@@ -113,64 +117,66 @@ def run(strategy: Any, fn: Callable, args: tuple, kwargs: dict) -> Any:
                 )
             array = leaf._array
             kinds.append(_SHARDED)
-            dynamic.append(array)
+            dynamic.append(leaf)
             key_parts.append((_SHARDED, array.shape, array.dtype))
             if leaf._lengths is not None:
                 if lengths is not None and not np.array_equal(lengths, leaf._lengths):
                     raise ValueError(
-                        f"strategy.run got padded inputs with different real sizes "
+                        f"strategy.run got per-replica inputs with different real sizes "
                         f"{lengths.tolist()} and {leaf._lengths.tolist()}; pass inputs from one batch."
                     )
-                lengths, padded_rows = leaf._lengths, array.shape[1]
+                lengths = leaf._lengths
         elif isinstance(leaf, (Mirrored, jax.Array, np.ndarray, np.generic)):
             array = leaf._array if isinstance(leaf, Mirrored) else leaf
             kinds.append(_REPLICATED)
-            dynamic.append(array)
+            dynamic.append(leaf)
             key_parts.append((_REPLICATED, array.shape, array.dtype))
         else:
             kinds.append(_STATIC)
             statics.append(leaf)
             key_parts.append((_STATIC, _static_key(leaf)))
-    key = (_function_key(fn), treedef, tuple(key_parts), padded_rows)
-    sharded = [d for d, k in zip(dynamic, kinds) if k == _SHARDED]
-    replicated = [_place(d, ext._replicated_sharding) for d, k in zip(dynamic, kinds) if k == _REPLICATED]
-    valid = None
+    key = (_function_key(fn), treedef, tuple(key_parts))
     if lengths is not None:
-        valid = jax.device_put(lengths.astype(np.int32), ext._per_replica_sharding)
+        return _run_uneven(strategy, fn, treedef, kinds, dynamic, statics, key, lengths)
+    sharded = [d._array for d, k in zip(dynamic, kinds) if k == _SHARDED]
+    replicated = [_place(_array_of(d), ext._replicated_sharding) for d, k in zip(dynamic, kinds) if k == _REPLICATED]
 
     program = ext._compiled.get(key)
-    if program is None:
+    if program is None or program.compiled is None:
         _warn_on_retracing(ext, fn)
-        program = _compile(strategy, fn, treedef, kinds, statics, padded_rows, sharded, replicated, valid)
+        program = _compile(strategy, fn, treedef, kinds, statics, sharded, replicated)
         ext._compiled[key] = program
     read_vals = [_place(v._value, ext._replicated_sharding) for v in program.read_vars]
     write_vals = [_place(v._value, ext._replicated_sharding) for v in program.write_vars]
-    new_vals, outs, sums = program.compiled(read_vals, write_vals, sharded, replicated, valid)
+    new_vals, outs, sums = program.compiled(read_vals, write_vals, sharded, replicated)
     for var, value in zip(program.write_vars, new_vals):
         var._value = value
     ext._step_dispatched(outs if outs else new_vals)
-    sums = iter(sums)
-    per_replica = [
-        PerReplica._from_array(
-            strategy, out, lengths if rows is not None and rows == padded_rows else None, next(sums) if summed else None
-        )
-        for out, rows, summed in zip(outs, program.out_rows, program.out_summed)
+    sums, outs = iter(sums), iter(outs)
+    results = [
+        static if kind == _STATIC_OUT else PerReplica._from_array(strategy, next(outs), None, next(sums) if kind == _SUMMED_OUT else None)
+        for kind, static in zip(program.out_kinds, program.out_statics)
     ]
-    return jax.tree_util.tree_unflatten(program.out_tree, per_replica)
+    return jax.tree_util.tree_unflatten(program.out_tree, results)
 
 
-def _compile(strategy, fn, treedef, kinds, statics, padded_rows, sharded, replicated, valid) -> _Program:
+def _compile(strategy, fn, treedef, kinds, statics, sharded, replicated, compile_program: bool = True) -> _Program:
+    """Finds the variables ``fn`` reads and writes (tracing until the set is stable), then compiles.
+
+    With ``compile_program=False`` only the discovery is done (the uneven step
+    runs eagerly, but needs the variables ``fn`` creates to exist first).
+    """
     known: dict[int, KerasVariable] = {}
     written: dict[int, KerasVariable] = {}
     for _ in range(4):
         read_vars = [v for i, v in known.items() if i not in written]
         write_vars = list(written.values())
         record = _TraceRecord()
-        body = _make_body(strategy, fn, treedef, kinds, statics, padded_rows, read_vars, write_vars, record)
-        program_fn = _shard_and_jit(strategy, body, len(write_vars))
+        body = _make_body(strategy, fn, treedef, kinds, statics, read_vars, write_vars, record)
+        program_fn = _shard_and_jit(strategy, body)
         read_vals = [_place(v._value, strategy.extended._replicated_sharding) for v in read_vars]
         write_vals = [_place(v._value, strategy.extended._replicated_sharding) for v in write_vars]
-        traced = program_fn.trace(read_vals, write_vals, sharded, replicated, valid)
+        traced = program_fn.trace(read_vals, write_vals, sharded, replicated)
         # Variables created while tracing (optimizer slots, lazily built layers)
         # were deferred by Keras; give them their values now, outside the trace.
         initialize_all_variables()
@@ -182,27 +188,27 @@ def _compile(strategy, fn, treedef, kinds, statics, padded_rows, sharded, replic
         return _Program(
             read_vars=read_vars,
             write_vars=write_vars,
-            compiled=traced.lower().compile(),
+            compiled=traced.lower().compile() if compile_program else None,
             out_tree=record.out_tree,
-            out_rows=record.out_rows,
-            out_summed=record.out_summed,
+            out_kinds=record.out_kinds,
+            out_statics=record.out_statics,
         )
     raise AssertionError("variable discovery did not converge")  # pragma: no cover
 
 
-def _shard_and_jit(strategy, body: Callable, num_written: int):
+def _shard_and_jit(strategy, body: Callable):
     ext = strategy.extended
     mapped = jax.shard_map(
         body,
         mesh=ext._mesh,
-        in_specs=(P(), P(), P(AXIS), P(), P(AXIS)),
+        in_specs=(P(), P(), P(AXIS), P()),
         out_specs=(P(), P(AXIS), P()),
     )
     return jax.jit(mapped, donate_argnums=(1,))
 
 
-def _make_body(strategy, fn, treedef, kinds, statics, padded_rows, read_vars, write_vars, record: _TraceRecord):
-    def body(read_vals, write_vals, sharded, replicated, valid):
+def _make_body(strategy, fn, treedef, kinds, statics, read_vars, write_vars, record: _TraceRecord):
+    def body(read_vals, write_vals, sharded, replicated):
         sharded_it, replicated_it, static_it = iter(sharded), iter(replicated), iter(statics)
         leaves = []
         for kind in kinds:
@@ -216,84 +222,116 @@ def _make_body(strategy, fn, treedef, kinds, statics, padded_rows, read_vars, wr
         mapping = {id(v): x for v, x in zip(read_vars, read_vals)}
         mapping.update({id(v): x for v, x in zip(write_vars, write_vals)})
         scope = LiftingScope(mapping)
-        context = ReplicaContext(
-            strategy,
-            in_program=True,
-            valid_count=None if valid is None else valid[0],
-            padded_rows=padded_rows,
-        )
+        rows = _batch_rows(leaves, kinds)
+        context = ReplicaContext(strategy, in_program=True, rows=rows, global_rows=None if rows is None else rows * strategy.num_replicas_in_sync)
         with _context.enter_replica(strategy, context), scope:
             result = fn(*args, **kwargs)
         record.missing = scope.missing
         record.written = scope.written
-        new_vals = [
-            _combine_replicas(v, scope.state_mapping[id(v)], old) for v, old in zip(write_vars, write_vals)
-        ]
+        new_vals = [combine_replicas(v, scope.state_mapping[id(v)], old) for v, old in zip(write_vars, write_vals)]
         out_leaves, record.out_tree = jax.tree_util.tree_flatten(result, is_leaf=_is_keras_variable)
-        out_leaves = [_as_output(x) for x in out_leaves]
-        record.out_rows = [x.shape[0] if x.ndim else None for x in out_leaves]
+        record.out_kinds, record.out_statics, arrays = _classify_outputs(out_leaves)
         # Small outputs (a step's loss) are also summed over replicas here, in the
         # step's own program: the strategy.reduce(SUM/MEAN, ..., axis=None) that
         # nearly every loop does after each step then dispatches nothing.
-        record.out_summed = [
-            x.size <= _FUSED_REDUCE_MAX_SIZE and jnp.issubdtype(x.dtype, jnp.number) and (padded_rows is None or rows != padded_rows)
-            for x, rows in zip(out_leaves, record.out_rows)
-        ]
-        sums = [lax.psum(x, AXIS) for x, summed in zip(out_leaves, record.out_summed) if summed]
-        return new_vals, [x[None] for x in out_leaves], sums
+        sums = [lax.psum(x, AXIS) for x, kind in zip(arrays, [k for k in record.out_kinds if k != _STATIC_OUT]) if kind == _SUMMED_OUT]
+        return new_vals, [x[None] for x in arrays], sums
 
     return body
 
 
-def _combine_replicas(var: KerasVariable, new: Any, old: Any) -> Any:
-    """Makes a variable's new value identical on every replica, by its aggregation."""
-    new = jnp.asarray(new, dtype=old.dtype)
-    aggregation = var.aggregation
-    if aggregation == "sum":
-        # Sync-on-read SUM (metrics): every replica's change counts, even identical ones.
-        return old + lax.psum(new - old, AXIS)
-    if AXIS not in _varying_axes(new):
-        return new
-    if lax.axis_size(AXIS) == 1:
-        return lax.psum(new, AXIS)  # one replica: its value is the value
-    if aggregation == "none" and not var.trainable:
-        aggregation = "mean"
-    if aggregation == "mean":
-        return lax.pmean(new, AXIS)
-    if aggregation == "only_first_replica":
-        first = lax.axis_index(AXIS) == 0
-        return lax.psum(jnp.where(first, new, jnp.zeros_like(new)), AXIS)
-    raise ValueError(
-        f"Variable '{var.path}' was assigned a different value on each replica inside "
-        f"strategy.run, and its aggregation is {var.aggregation!r}, so there is no one "
-        "value to keep (TF: 'You must specify an aggregation method to update a "
-        "MirroredVariable in Replica Context'). Reduce the value first with "
-        "get_replica_context().all_reduce(...), or create the variable with "
-        "aggregation='sum', 'mean' or 'only_first_replica'."
-    )
+def _batch_rows(leaves: list, kinds: list) -> int | None:
+    """This replica's rows: dim 0 of the first per-replica input (None without one)."""
+    for leaf, kind in zip(leaves, kinds):
+        if kind == _SHARDED and jnp.ndim(leaf):
+            return int(jnp.shape(leaf)[0])
+    return None
 
 
-def _varying_axes(x: Any) -> frozenset:
-    """Mesh axes along which ``x`` may differ between replicas (JAX's vma typing)."""
-    aval = jax.typeof(x)
-    vma = getattr(aval, "vma", None)
-    if vma is None:
-        vma = aval.mat.varying
-    return frozenset(vma)
+def _classify_outputs(out_leaves: list) -> tuple[list, list, list]:
+    """Python constants pass through (TF's regroup returns them as they are); arrays become PerReplica."""
+    kinds, statics, arrays = [], [], []
+    for x in out_leaves:
+        if _is_python_constant(x):
+            kinds.append(_STATIC_OUT)
+            statics.append(x)
+            continue
+        x = _as_output(x)
+        small = x.size <= _FUSED_REDUCE_MAX_SIZE and jnp.issubdtype(x.dtype, jnp.number)
+        kinds.append(_SUMMED_OUT if small else _ARRAY_OUT)
+        statics.append(None)
+        arrays.append(x)
+    return kinds, statics, arrays
 
 
-def to_varying(x: Any) -> Any:
-    """Marks ``x`` as possibly different on each replica (so its gradient stays local)."""
-    return x if AXIS in _varying_axes(x) else lax.pcast(x, AXIS, to="varying")
+def _is_python_constant(x: Any) -> bool:
+    return isinstance(x, (bool, int, float, complex, str, bytes, type(None)))
 
 
-def sum_gradients(grads: list) -> list:
-    """Sums per-replica gradients across replicas (TF's apply_gradients all-reduce).
+def _run_uneven(strategy, fn, treedef, kinds, dynamic, statics, key, lengths) -> Any:
+    """The exact uneven step (see ``uneven.py``): one thread per replica, each on its real rows."""
+    ext = strategy.extended
+    # The padded input has the full step's shapes: its program knows the variables already.
+    discovery_key = ("uneven", *key)
+    program = ext._compiled.get(key) or ext._compiled.get(discovery_key)
+    if program is None:
+        padded = [d._array for d, k in zip(dynamic, kinds) if k == _SHARDED]
+        replicated = [_place(_array_of(d), ext._replicated_sharding) for d, k in zip(dynamic, kinds) if k == _REPLICATED]
+        program = _compile(strategy, fn, treedef, kinds, statics, padded, replicated, compile_program=False)
+        ext._compiled[discovery_key] = program
+    slices = [uneven.local_slices(d, strategy) for d in dynamic]
+    known = program.read_vars + program.write_vars
+    multi_process = jax.process_count() > 1
 
-    A gradient with respect to a replicated value that JAX's autodiff already
-    summed (it is the same on every replica) is left as it is.
-    """
-    return [g if g is None or AXIS not in _varying_axes(g) else lax.psum(g, AXIS) for g in grads]
+    def body(context: uneven.ThreadedReplicaContext):
+        local = context._local
+        dyn, stat = iter(slices), iter(statics)
+        leaves = [next(stat) if kind == _STATIC else next(dyn)[local] for kind in kinds]
+        args, kwargs = jax.tree_util.tree_unflatten(treedef, leaves)
+        scope = LiftingScope({id(v): _local_value(v, context._device) for v in known}, device=context._device)
+        with scope:
+            result = fn(*args, **kwargs)
+        written = list(program.write_vars) + [v for i, v in scope.written.items() if all(w is not v for w in program.write_vars)]
+        old = [_local_value(v, context._device) for v in written]
+        new = [scope.state_mapping[id(v)] if id(v) in scope.written else o for v, o in zip(written, old)]
+        combined = context._combine_all(written, new, old)
+        out_leaves, out_tree = jax.tree_util.tree_flatten(result, is_leaf=_is_keras_variable)
+        out_leaves = [x if _is_python_constant(x) else _as_output(x) for x in out_leaves]
+        rows = None
+        if multi_process and out_leaves:
+            rows = context._everyones(jnp.asarray([np.shape(x)[0] if np.ndim(x) else -1 for x in out_leaves], jnp.int32))
+        return written, combined, out_tree, out_leaves, rows
+
+    results = uneven.run_replicas(strategy, body, lengths.tolist())
+    written, _, out_tree, _, all_rows = results[0]
+    for i, var in enumerate(written):
+        var._value = uneven.replicated_from_local(strategy, [r[1][i] for r in results])
+    outputs = []
+    for j in range(len(results[0][3])):
+        values = [r[3][j] for r in results]
+        if all(_is_python_constant(v) for v in values) and all(v == values[0] for v in values):
+            outputs.append(values[0])  # TF's regroup: the same value on every replica is returned as it is
+            continue
+        rows = None if all_rows is None else [int(n) for n in np.asarray(all_rows)[:, j]]
+        if rows is not None and rows[0] < 0:
+            rows = None
+        array, lengths_out = uneven.per_replica_from_local(strategy, values, rows)
+        outputs.append(PerReplica._from_array(strategy, array, lengths_out))
+    return jax.tree_util.tree_unflatten(out_tree, outputs)
+
+
+def _local_value(var: KerasVariable, device: Any) -> Any:
+    """Variable ``var``'s copy on ``device`` (its replicated array's shard there)."""
+    value = var._value
+    if isinstance(value, jax.Array):
+        for shard in value.addressable_shards:
+            if shard.device == device:
+                return shard.data
+    return jax.device_put(value, device)
+
+
+def _array_of(value: Any) -> Any:
+    return value._array if isinstance(value, Mirrored) else value
 
 
 def _as_output(x: Any) -> jax.Array:

@@ -1,12 +1,13 @@
-"""Splitting a global batch between replicas, with padding for partial batches.
+"""Splitting a global batch between replicas.
 
 TF's rule (measured on TF 2.21): a batch of ``n`` rows gives each replica
 ``ceil(n / num_replicas)`` consecutive rows, in replica order, until the rows run
 out: 2 replicas, 7 rows -> 4 | 3; 2 rows -> 1 | 1; 1 row -> 1 | 0.
 
-Every replica is padded to ``rows_per_replica`` rows (the full batch's share) so
-that the compiled step sees one shape for the whole epoch; the real row counts go
-with the value and become the replica context's example mask.
+A batch that splits into equal shares is stacked as ``(replicas, rows, ...)``.
+An uneven one is stored padded to the full batch's share, with every replica's
+real row count; the padding stays inside ``PerReplica`` storage (every consumer sees
+the real rows: ``strategy.run`` runs the exact uneven step, ``uneven.py``).
 """
 
 from __future__ import annotations
@@ -29,11 +30,11 @@ def split_batch(leaves: list[np.ndarray], num_replicas: int, rows_per_replica: i
     Args:
         leaves: arrays of shape ``(n, ...)``, all with the same ``n``.
         num_replicas: replicas to split between.
-        rows_per_replica: rows each replica holds after padding (``>= ceil(n/R)``).
+        rows_per_replica: the full batch's share (``>= ceil(n/R)``): the capacity.
 
     Returns:
         The stacked arrays and the real row count of each replica, or None when
-        no replica is padded.
+        the shares are equal (then the arrays are ``(R, n / R, ...)``).
 
     Raises:
         ValueError: the leaves disagree on ``n``, or ``n`` exceeds the capacity.
@@ -52,13 +53,15 @@ def split_batch(leaves: list[np.ndarray], num_replicas: int, rows_per_replica: i
             f"A batch of {num_rows} rows does not fit {num_replicas} replicas x "
             f"{rows_per_replica} rows; the dataset must be batched with the global batch size."
         )
-    if num_rows == num_replicas * rows_per_replica:
-        return [np.asarray(x).reshape(num_replicas, rows_per_replica, *np.shape(x)[1:]) for x in leaves], None
+    if num_rows % num_replicas == 0:
+        share = num_rows // num_replicas
+        return [np.asarray(x).reshape(num_replicas, share, *np.shape(x)[1:]) for x in leaves], None
     counts = split_counts(num_rows, num_replicas)
-    share = int(counts.max()) if num_rows else 0
+    share = int(counts.max())
     out = []
     for x in leaves:
         x = np.asarray(x)
+        # Padded to the capacity: every worker's part of the global array has one shape.
         padded = np.zeros((num_replicas, rows_per_replica, *x.shape[1:]), dtype=x.dtype)
         for r, count in enumerate(counts.tolist()):
             if count:
@@ -71,24 +74,27 @@ def stack_elements(elements: list[list[np.ndarray]], num_replicas: int, rows_per
     """Stacks one element per replica (PER_WORKER input from a function).
 
     ``elements[r]`` is replica ``r``'s flattened element (arrays ``(b_r, ...)``);
-    missing replicas (the input ran out) get empty, fully padded slots.
+    missing replicas (the input ran out) get no rows.  Returns the stacked
+    arrays (padded to the largest ``b_r``) and the row counts, or None when all
+    replicas have the same rows.
     """
     counts = np.zeros(num_replicas, np.int64)
-    num_leaves = len(elements[0])
+    for r, element in enumerate(elements):
+        counts[r] = np.shape(element[0])[0] if np.ndim(element[0]) else 0
+        if counts[r] > rows_per_replica:
+            raise ValueError(
+                f"An element of {counts[r]} rows is larger than the per-replica batch size "
+                f"{rows_per_replica}; batch the dataset with the per-replica batch size."
+            )
+    width = int(counts.max())
     out = []
-    for j in range(num_leaves):
+    for j in range(len(elements[0])):
         first = np.asarray(elements[0][j])
-        padded = np.zeros((num_replicas, rows_per_replica, *first.shape[1:]), dtype=first.dtype)
+        padded = np.zeros((num_replicas, width, *first.shape[1:]), dtype=first.dtype)
         for r, element in enumerate(elements):
             x = np.asarray(element[j])
-            if x.shape[0] > rows_per_replica:
-                raise ValueError(
-                    f"An element of {x.shape[0]} rows is larger than the per-replica batch size "
-                    f"{rows_per_replica}; batch the dataset with the per-replica batch size."
-                )
             padded[r, : x.shape[0]] = x
-            counts[r] = x.shape[0]
         out.append(padded)
-    if len(elements) == num_replicas and bool(np.all(counts == rows_per_replica)):
+    if len(elements) == num_replicas and len(set(counts.tolist())) == 1:
         return out, None
     return out, counts

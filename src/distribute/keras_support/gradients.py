@@ -8,7 +8,7 @@ import jax
 from keras.src.backend.common.stateless_scope import get_stateless_scope
 
 from distribute import _context
-from distribute.tracing import LiftingScope, to_varying
+from distribute.tracing import LiftingScope
 
 
 def compute_gradients(loss_fn: Callable[[], Any], variables: Sequence[Any], has_aux: bool = False) -> tuple:
@@ -56,9 +56,9 @@ def compute_gradients(loss_fn: Callable[[], Any], variables: Sequence[Any], has_
 
     values = [v.value for v in variables]
     context = _context.current_replica_context()
-    if context is not None and context._in_program:
+    if context is not None:
         # Per-replica gradients, as TF's tape gives; apply_gradients sums them.
-        values = [to_varying(x) for x in values]
+        values = context._prepare_for_gradients(values)
     (loss, (aux, updates)), grads = jax.value_and_grad(pure, has_aux=True)(values)
     for variable, value in zip(written.values(), updates):
         variable.assign(value)

@@ -9,14 +9,11 @@ outside a strategy:
 * an optimizer remembers the scope it was created in; its ``apply`` inside
   ``strategy.run`` sums the gradients across replicas first (as TF's
   ``apply_gradients``) and refuses to run for another strategy;
-* a metric created in scope remembers the strategy, and inside a padded step its
-  ``update_state`` weights the padding rows by zero;
-* inside a padded step, BatchNormalization computes its batch statistics over
-  the real rows only (Keras' ``mask`` argument), as TF's per-replica BatchNorm
-  does over each replica's real batch;
-* inside a padded step, activity regularizers see only the real rows, scaled so
-  that the replicas' losses add up to one device's (Keras divides them by the
-  batch size);
+* a metric created in scope remembers the strategy (to refuse another
+  strategy's steps);
+* in an uneven step, an activity regularizer's loss is rescaled from Keras'
+  "divided by this replica's rows" to "divided by the global batch's rows", so
+  the replicas' losses add up to one device's;
 * inside ``strategy.run`` and fit, each replica draws its own random numbers
   (Dropout masks differ between replicas, as in TF) while the seed generator's
   state stays mirrored;
@@ -27,14 +24,14 @@ outside a strategy:
 from __future__ import annotations
 
 import functools
-import inspect
 import weakref
 from typing import Any
 
 import jax.numpy as jnp
 
 from distribute import _context
-from distribute.tracing import check_ownership, sum_gradients
+from distribute._keras import install_per_thread_attributes
+from distribute.tracing import check_ownership
 
 AXIS = "replica"
 _INSTALLED: list[bool] = []
@@ -47,7 +44,6 @@ def install() -> None:
         return
     from keras.src.backend.jax.core import JaxVariable
     from keras.src.layers.layer import Layer
-    from keras.src.layers.normalization.batch_normalization import BatchNormalization
     from keras.src.metrics.metric import Metric
     from keras.src.optimizers.base_optimizer import BaseOptimizer
     from keras.src.random.seed_generator import SeedGenerator
@@ -58,11 +54,10 @@ def install() -> None:
     _patch(BaseOptimizer, "__init__", _optimizer_init)
     _patch(BaseOptimizer, "apply", _optimizer_apply)
     _patch(Metric, "__init__", _metric_init)
-    _patch(BatchNormalization, "call", _batch_norm_call)
-    _patch(BatchNormalization, "_moments", _batch_norm_moments)
-    _install_activity_regularizer_property(Layer)
     _patch(SeedGenerator, "next", _seed_next)
     trainer.install()
+    install_per_thread_attributes()
+    _install_activity_regularizer_property(Layer)
     _INSTALLED.append(True)
 
 
@@ -100,7 +95,7 @@ def _optimizer_apply(original):
             strategy = context.strategy
             # Its step counter was created with it: the same error as for any variable.
             check_ownership(strategy, [self.iterations])
-            grads = sum_gradients(list(grads))
+            grads = context._sum_gradients(list(grads))
         return original(self, grads, trainable_variables)
 
     return apply
@@ -111,94 +106,21 @@ def _metric_init(original):
         object.__setattr__(self, "_distribute_strategy", _context.scope_strategy())
         _OBJECTS.add(self)
         original(self, *args, **kwargs)
-        if self._distribute_strategy is not None and "update_state" not in self.__dict__:
-            object.__setattr__(self, "update_state", _masked_update(self, self.update_state))
 
     return __init__
 
 
-def _masked_update(metric: Any, update_state: Any):
-    """Wraps a metric's update_state so padding rows get sample weight 0."""
-    try:
-        signature = inspect.signature(update_state)
-    except (TypeError, ValueError):  # pragma: no cover - builtins
-        signature = None
-
-    def masked(*args, **kwargs):
-        context = _context.current_replica_context()
-        if context is None or context._valid_count is None or signature is None:
-            return update_state(*args, **kwargs)
-        first = next((a for a in list(args) + list(kwargs.values()) if hasattr(a, "shape") and len(a.shape)), None)
-        mask = None if first is None else context._mask_for(first.shape[0])
-        if mask is None:
-            return update_state(*args, **kwargs)
-        if "sample_weight" not in signature.parameters:
-            raise ValueError(
-                f"{describe_object(metric)} has no sample_weight argument in update_state, so "
-                "the padding of this partial batch cannot be left out. Add a sample_weight "
-                "argument, or drop the last partial batch (batch(..., drop_remainder=True))."
-            )
-        bound = signature.bind(*args, **kwargs)
-        weight = bound.arguments.get("sample_weight")
-        mask = mask.astype("float32")
-        if weight is not None:
-            weight = jnp.asarray(weight)
-            mask = mask.reshape(mask.shape + (1,) * max(weight.ndim - 1, 0)) * weight
-        bound.arguments["sample_weight"] = mask
-        return update_state(*bound.args, **bound.kwargs)
-
-    return masked
-
-
-def _batch_norm_call(original):
-    def call(self, inputs, training=None, mask=None):
-        context = _context.current_replica_context()
-        if mask is None and context is not None and context._valid_count is not None:
-            rows = _context_mask(context, inputs)
-            if rows is not None:
-                if self.axis not in (-1, len(inputs.shape) - 1):
-                    raise NotImplementedError(
-                        f"BatchNormalization(axis={self.axis}) in a padded (partial) batch: only the "
-                        "last axis can leave the padding rows out of its statistics. Use axis=-1, or "
-                        "drop the last partial batch (batch(..., drop_remainder=True))."
-                    )
-                shape = (rows.shape[0],) + (1,) * (len(inputs.shape) - 2)
-                mask = jnp.broadcast_to(rows.reshape(shape), tuple(inputs.shape[:-1]))
-        return original(self, inputs, training=training, mask=mask)
-
-    return call
-
-
-def _batch_norm_moments(original):
-    """Masked moments over the real rows.
-
-    Keras 3.15's masked path squeezes every size-1 dim (a 1-channel layer breaks)
-    and divides by ``count + epsilon``; this one reduces exactly the layer's
-    reduction axes and divides by the count.
-    """
-
-    def _moments(self, inputs, mask):
-        if mask is None:
-            return original(self, inputs, mask)
-        axes = tuple(self._reduction_axes)
-        weights = jnp.broadcast_to(jnp.expand_dims(mask, -1), inputs.shape).astype(inputs.dtype)
-        count = jnp.maximum(jnp.sum(weights, axis=axes, keepdims=True), 1)
-        mean = jnp.sum(inputs * weights, axis=axes, keepdims=True) / count
-        variance = jnp.sum(jnp.square(inputs - mean) * weights, axis=axes, keepdims=True) / count
-        return jnp.squeeze(mean, axis=axes), jnp.squeeze(variance, axis=axes)
-
-    return _moments
-
-
 def _install_activity_regularizer_property(layer_cls: type) -> None:
-    """``Layer.activity_regularizer`` becomes a property that masks padding rows in padded steps."""
+    """``Layer.activity_regularizer`` becomes a property that rescales its loss in uneven steps."""
 
     def get(self):
         regularizer = self.__dict__.get("_distribute_activity_regularizer")
         context = _context.current_replica_context()
-        if regularizer is None or context is None or context._valid_count is None:
+        if regularizer is None or context is None or context._global_rows is None:
             return regularizer
-        return _PaddingAwareRegularizer(regularizer, context)
+        if context._rows * context.num_replicas_in_sync == context._global_rows:
+            return regularizer
+        return _RescaledRegularizer(regularizer, context._rows, context._rows * context.num_replicas_in_sync / max(context._global_rows, 1))
 
     def set(self, value):
         self.__dict__["_distribute_activity_regularizer"] = value
@@ -206,33 +128,23 @@ def _install_activity_regularizer_property(layer_cls: type) -> None:
     layer_cls.activity_regularizer = property(get, set)
 
 
-class _PaddingAwareRegularizer:
-    """Applies a regularizer to the real rows of a padded batch.
+class _RescaledRegularizer:
+    """An activity regularizer whose loss is multiplied by ``factor`` on outputs of this replica's rows.
 
-    Keras divides an activity loss by the batch's rows (padding included) and the
-    distributed step divides layer losses by the replica count; the factor
-    ``rows * replicas / real rows in the global batch`` makes the replicas' losses
-    sum to ``regularizer(all real rows) / real rows``, one device's value.
+    Keras divides an activity loss by the output's rows ``n_r`` and distributed
+    steps divide layer losses by the replica count ``R``; ``factor = n_r R / N``
+    makes each replica's share ``regularizer(its rows) / N``, so the shares add up
+    to one device's ``regularizer(all rows) / N``.
     """
 
-    def __init__(self, regularizer: Any, context: Any):
-        self._regularizer, self._context = regularizer, context
+    def __init__(self, regularizer: Any, rows: int, factor: float):
+        self._regularizer, self._rows, self._factor = regularizer, rows, factor
 
     def __call__(self, output: Any) -> Any:
-        mask = _context_mask(self._context, output)
-        if mask is None:
-            return self._regularizer(output)
-        shape = (mask.shape[0],) + (1,) * (output.ndim - 1)
-        loss = self._regularizer(jnp.where(mask.reshape(shape), output, 0))
-        factor = output.shape[0] * self._context.num_replicas_in_sync / jnp.maximum(self._context._global_valid_count(), 1)
-        return loss * factor.astype(loss.dtype)
-
-
-def _context_mask(context: Any, inputs: Any) -> Any:
-    shape = getattr(inputs, "shape", None)
-    if not shape or len(shape) < 2:
-        return None
-    return context._mask_for(shape[0])
+        loss = self._regularizer(output)
+        if getattr(output, "ndim", 0) and output.shape[0] == self._rows:
+            loss = loss * jnp.asarray(self._factor, loss.dtype)
+        return loss
 
 
 def _seed_next(original):

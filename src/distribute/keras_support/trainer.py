@@ -5,13 +5,15 @@ A model compiled inside ``strategy.scope()`` remembers the strategy.  Its
 layers are mirrored too) with Keras' own loop, callbacks and progress bar; only
 the per-step functions are replaced by SPMD programs over the strategy's mesh:
 
-* each batch is split between the replicas (``input/splitting.py``); a partial
-  batch is padded and masked, so results equal one device's exactly;
+* each batch is split between the replicas (``input/splitting.py``); a full
+  batch runs as one SPMD program, an uneven one (the last, partial batch) as
+  the exact uneven step (``uneven.py``: every replica on its real rows), so
+  results equal one device's;
 * each replica's loss is weighted so that the sum over replicas is the loss of
   the whole batch (``sum_over_batch_size``: rows weighted ``b / N``); gradients
   are summed across replicas; regularization losses are divided by the number of
   replicas; the loss tracker and compiled metrics count real rows only;
-* variables stay replicated (``tracing._combine_replicas``).
+* variables stay replicated (``ReplicaContext._combine_all``).
 
 Beyond TF: TF's Keras averages each replica's mean loss, so an uneven last
 batch gives a slightly different answer there; here it is exact.
@@ -29,13 +31,14 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from keras.src import tree
 
 from distribute import _context
-from distribute.input.splitting import split_batch
+from distribute import uneven
+from distribute.input.splitting import split_batch, split_counts
+from distribute.replica import ReplicaContext
 from distribute.keras_support import steps
 from distribute.keras_support.data_adapter import adapt
 from distribute.tracing import check_ownership
 
 AXIS = "replica"
-_EXACT_REDUCTIONS = {"sum_over_batch_size": "mean", "mean": "mean", "sum": "sum"}
 
 
 def install() -> None:
@@ -100,18 +103,20 @@ def _routed(original, kind):
 
 
 # -- placing batches ------------------------------------------------------------------
-def _split(strategy: Any, data: Any, rows_seen: list[int]) -> tuple[Any, list[np.ndarray], np.ndarray | None]:
-    """Splits one Keras batch between the replicas: ``(treedef, (replicas, rows, ...) leaves, lengths)``.
+def _split(strategy: Any, data: Any) -> tuple[Any, list[np.ndarray], np.ndarray | None]:
+    """Splits one Keras batch between the replicas: ``(treedef, leaves, counts)``.
 
-    Every replica is padded to the most rows seen so far by this function (the
-    first, full batch's share), so the last, partial batch reuses the compiled step.
+    An even batch gives this worker's ``(local replicas, rows, ...)`` stacks and
+    ``counts`` None; an uneven one gives the whole batch's leaves and every
+    replica's row count (TF's layout, ``split_counts``).
     """
     leaves, treedef = jax.tree_util.tree_flatten(data)
     leaves = [np.asarray(x) for x in leaves]
-    rows_seen[0] = max(rows_seen[0], -(-leaves[0].shape[0] // strategy.num_replicas_in_sync))
-    # Split for every replica in the job; this worker keeps its replicas' rows (lengths stay global).
-    stacked, lengths = split_batch(leaves, strategy.num_replicas_in_sync, rows_seen[0])
-    return treedef, [strategy.extended._local_rows(x) for x in stacked], lengths
+    num_rows, num_replicas = leaves[0].shape[0], strategy.num_replicas_in_sync
+    if num_rows % num_replicas == 0:
+        stacked, _ = split_batch(leaves, num_replicas, num_rows // num_replicas)
+        return treedef, [strategy.extended._local_rows(x) for x in stacked], None
+    return treedef, leaves, split_counts(num_rows, num_replicas)
 
 
 def _check_supported(model: Any, method: str) -> None:
@@ -140,48 +145,69 @@ def _state_variables(model, parts):
 
 
 class _StepRunner:
-    """Runs Keras' ``*_function(state, iterator)`` contract with compiled SPMD steps.
+    """Runs Keras' ``*_function(state, iterator)`` contract with the strategy's engine.
 
-    ``build_step(treedef, rows)`` returns ``step(state, leaves, valid) ->
-    (result, state)`` for one replica.  Each input signature is compiled once:
-    one program for full batches, one for a padded batch, and, with
-    ``steps_per_execution = K > 1``, one that runs K full batches in an
-    unrolled ``lax.scan`` (TF's steps_per_execution: one dispatch for K steps;
-    unrolled because XLA:CPU ran convolutions inside a rolled loop 6x slower).
+    ``build_step(treedef)`` returns ``step(state, leaves) -> (result, state)`` for
+    one replica.  A full batch runs as one compiled SPMD program per input
+    signature; with ``steps_per_execution = K > 1``, K full batches run as one
+    program, an unrolled ``lax.scan`` (TF's steps_per_execution: one dispatch
+    for K steps; unrolled because XLA:CPU ran convolutions inside a rolled loop
+    6x slower).  An uneven batch runs as the exact uneven step.
     """
 
-    def __init__(self, model: Any, strategy: Any, build_step: Any, variables: list, result_spec: Any = P(), multi_step: bool = True):
+    def __init__(self, model: Any, strategy: Any, build_step: Any, variables: list, per_replica_result: bool = False, multi_step: bool = True):
         self.model, self.strategy, self.build_step = model, strategy, build_step
-        self.variables, self.result_spec, self.multi_step = variables, result_spec, multi_step
+        self.variables, self.per_replica_result, self.multi_step = variables, per_replica_result, multi_step
         self.cache: dict = {}
-        self.rows_seen = [0]
+        self.steps: dict = {}
 
-    def _compiled(self, treedef: Any, placed: list, valid: Any, steps: int) -> Any:
-        key = (treedef, tuple((p.shape, p.dtype) for p in placed), valid is None, steps)
-        if key not in self.cache:
+    def _step(self, treedef: Any) -> Any:
+        if treedef not in self.steps:
             check_ownership(self.strategy, self.variables)
-            rows = placed[0].shape[1 if steps == 1 else 2]
-            step = self.build_step(treedef, rows)
+            self.steps[treedef] = self.build_step(treedef)
+        return self.steps[treedef]
+
+    def _in_context(self, step: Any) -> Any:
+        """``step`` inside the SPMD program: the replica context, this replica's ``(rows, ...)`` leaves."""
+        strategy = self.strategy
+
+        def body(state, leaves):
+            local = [leaf[0] for leaf in leaves]
+            rows = local[0].shape[0]
+            context = ReplicaContext(strategy, in_program=True, rows=rows, global_rows=rows * strategy.num_replicas_in_sync)
+            with _context.enter_replica(strategy, context):
+                result, state = step(state, local)
+            if self.per_replica_result:
+                result = tree.map_structure(lambda o: o[None], result)
+            return result, state
+
+        return body
+
+    def _compiled(self, treedef: Any, placed: list, steps: int) -> Any:
+        key = (treedef, tuple((p.shape, p.dtype) for p in placed), steps)
+        if key not in self.cache:
+            body = self._in_context(self._step(treedef))
             mesh = self.strategy.extended._mesh
+            result_spec = P(AXIS) if self.per_replica_result else P()
             if steps == 1:
-                mapped = jax.shard_map(step, mesh=mesh, in_specs=(P(), P(AXIS), P(AXIS)), out_specs=(self.result_spec, P()))
+                mapped = jax.shard_map(body, mesh=mesh, in_specs=(P(), P(AXIS)), out_specs=(result_spec, P()))
             else:
                 def scanned(state, stacked):
-                    def body(carry, leaves):
-                        result, carry = step(carry, leaves, None)
+                    def scan_body(carry, leaves):
+                        result, carry = body(carry, leaves)
                         return carry, result
 
-                    state, results = lax.scan(body, state, stacked, unroll=True)
+                    state, results = lax.scan(scan_body, state, stacked, unroll=True)
                     return jax.tree_util.tree_map(lambda r: r[-1], results), state
 
-                mapped = jax.shard_map(scanned, mesh=mesh, in_specs=(P(), P(None, AXIS)), out_specs=(self.result_spec, P()))
+                mapped = jax.shard_map(scanned, mesh=mesh, in_specs=(P(), P(None, AXIS)), out_specs=(result_spec, P()))
             self.cache[key] = jax.jit(mapped, donate_argnums=(0,))
         return self.cache[key]
 
     def __call__(self, state: Any, iterator: Any) -> tuple[list, Any]:
         """Runs up to ``steps_per_execution`` steps; StopIteration when the data is exhausted.
 
-        Returns ``[(result, lengths), ...]`` (one entry per compiled call) and the state.
+        Returns ``[result, ...]`` (one entry per compiled call or uneven step) and the state.
         """
         steps = max(int(self.model.steps_per_execution), 1)
         batches = []
@@ -199,23 +225,51 @@ class _StepRunner:
             raise
 
     def _run(self, state: Any, batches: list, steps: int) -> tuple[list, Any]:
-        split = [_split(self.strategy, data, self.rows_seen) for data in batches]
-        if self.multi_step and steps > 1 and len(split) == steps and all(lengths is None and treedef == split[0][0] for treedef, _, lengths in split):
-            stacked = [_put_steps(self.strategy, np.stack([host[j] for _, host, _ in split])) for j in range(len(split[0][1]))]
-            result, state = self._compiled(split[0][0], stacked, None, steps)(state, stacked)
-            self.strategy.extended._step_dispatched(result)
-            return [(result, None)], state
+        split = [_split(self.strategy, data) for data in batches]
         ext = self.strategy.extended
+        if self.multi_step and steps > 1 and len(split) == steps and all(counts is None and treedef == split[0][0] for treedef, _, counts in split):
+            stacked = [_put_steps(self.strategy, np.stack([host[j] for _, host, _ in split])) for j in range(len(split[0][1]))]
+            result, state = self._compiled(split[0][0], stacked, steps)(state, stacked)
+            ext._step_dispatched(result)
+            return [result], state
         outputs = []
-        for treedef, host, lengths in split:
-            if lengths is None:
-                leaves, valid = ext._put_per_replica_all(host), None
+        for treedef, host, counts in split:
+            if counts is None:
+                leaves = ext._put_per_replica_all(host)
+                result, state = self._compiled(treedef, leaves, 1)(state, leaves)
+                ext._step_dispatched(result)
+                if self.per_replica_result:
+                    result = tree.map_structure(lambda o: _rows_in_order(ext._to_host(o)), result)
             else:
-                *leaves, valid = ext._put_per_replica_all([*host, lengths.astype(np.int32)])
-            result, state = self._compiled(treedef, leaves, valid, 1)(state, leaves, valid)
-            self.strategy.extended._step_dispatched(result)
-            outputs.append((result, lengths))
+                result, state = self._run_uneven(treedef, host, counts, state)
+            outputs.append(result)
         return outputs, state
+
+    def _run_uneven(self, treedef: Any, leaves: list, counts: np.ndarray, state: Any) -> tuple[Any, Any]:
+        """The exact uneven step: every replica runs ``step`` on its own rows, in its own thread."""
+        strategy, step = self.strategy, self._step(treedef)
+        starts = np.concatenate([[0], np.cumsum(counts)])
+        state_leaves, state_tree = jax.tree_util.tree_flatten(state)
+        local_state = [uneven.local_slices(x, strategy) for x in state_leaves]
+
+        def body(context):
+            r, local = context._replica, context._local
+            rows = [jax.device_put(x[starts[r] : starts[r + 1]], context._device) for x in leaves]
+            replica_state = jax.tree_util.tree_unflatten(state_tree, [s[local] for s in local_state])
+            return step(replica_state, rows)
+
+        results = uneven.run_replicas(strategy, body, counts.tolist())
+        new_state = [jax.tree_util.tree_leaves(new) for _, new in results]
+        state = jax.tree_util.tree_unflatten(state_tree, [uneven.replicated_from_local(strategy, list(parts)) for parts in zip(*new_state)])
+        if self.per_replica_result:
+            pieces = [result for result, _ in results]
+            if jax.process_count() > 1:
+                raise NotImplementedError(
+                    "predict on a batch that does not divide between the replicas of several workers "
+                    "is not supported yet; use a batch size divisible by num_replicas_in_sync."
+                )
+            return tree.map_structure(lambda *p: np.concatenate([np.asarray(x) for x in p]), *pieces), state
+        return results[0][0], state
 
 
 def _restore_purged(variables: list, state: Any) -> None:
@@ -259,28 +313,26 @@ def _make_function(model, strategy, force, kind: str):
     variables = _state_variables(model, parts)
     flat = [v for part in variables for v in part]
     if kind == "predict":
-        runner = _StepRunner(model, strategy, lambda treedef, rows: build(model, strategy, variables, treedef, rows), flat, P(AXIS), multi_step=False)
+        runner = _StepRunner(model, strategy, lambda treedef: build(model, strategy, variables, treedef), flat, per_replica_result=True, multi_step=False)
 
         def function(state, iterator):
             outputs, state = runner(state, iterator)
-            pieces = [tree.map_structure(lambda o: _real_rows(strategy.extended._to_host(o), lengths), result) for result, lengths in outputs]
+            pieces = outputs
             if len(pieces) == 1:
                 return pieces[0], state
             return tree.map_structure(lambda *p: np.concatenate(p), *pieces), state
 
     else:
-        runner = _StepRunner(model, strategy, lambda treedef, rows: build(model, strategy, variables, treedef, rows), flat)
+        runner = _StepRunner(model, strategy, lambda treedef: build(model, strategy, variables, treedef), flat)
 
         def function(state, iterator):
             outputs, state = runner(state, iterator)
-            return outputs[-1][0], state
+            return outputs[-1], state
 
     setattr(model, attribute, function)
     return function
 
 
-def _real_rows(stacked: np.ndarray, lengths: np.ndarray | None) -> np.ndarray:
-    """``(replicas, rows, ...)`` -> the real rows, in order."""
-    if lengths is None:
-        return stacked.reshape((-1, *stacked.shape[2:]))
-    return np.concatenate([stacked[r, : int(n)] for r, n in enumerate(lengths.tolist())])
+def _rows_in_order(stacked: np.ndarray) -> np.ndarray:
+    """``(replicas, rows, ...)`` -> ``(replicas * rows, ...)``, in replica order."""
+    return stacked.reshape((-1, *stacked.shape[2:]))

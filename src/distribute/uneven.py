@@ -1,0 +1,473 @@
+"""The exact uneven step: every replica runs on exactly its real rows.
+
+A step whose batch does not divide evenly between the replicas (at most one per
+epoch) cannot be one SPMD program: the replicas' shapes differ.  It runs as
+TensorFlow's eager MirroredStrategy runs every step: one thread per local replica,
+each calling the replica function eagerly on its own device with its own rows
+(TF's layout: contiguous chunks of ``ceil(b / R)`` rows in replica order, so 3
+rows over 2 replicas give 2 | 1, and 1 row gives 1 | 0, an empty replica seeing
+shape ``(0, ...)``).  The threads meet at every collective
+(:class:`ThreadedReplicaContext`): ``all_reduce``, ``all_gather``, the
+optimizer's gradient sum and the final combination of assigned variables.  A
+collective adds up the replicas' values with one small compiled program over the
+strategy's mesh, so it spans workers too (every worker's threads make the same
+calls in the same order).
+
+Collectives are differentiable (``jax.custom_vjp``: the gradient of a sum is a
+sum), so a loss that all-reduces inside ``compute_gradients`` works.  They need
+concrete values: a collective under ``jax.jit``, ``vmap`` or ``lax.scan`` inside
+an uneven step raises TypeError.
+
+Nothing here pads anything: padding exists only inside ``PerReplica`` storage,
+where nothing can observe it.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+import threading
+import time
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from distribute import _context
+from distribute.replica import ReplicaContext
+from distribute.values import ReduceOp
+
+MEETING_TIMEOUT_SECONDS = 300.0
+
+
+class _Aborted(Exception):
+    """Another replica failed; this one stops without a message of its own."""
+
+
+class _Meeting:
+    """Where this worker's replica threads meet at each collective.
+
+    Every replica calls :meth:`exchange` with its value; the last to arrive
+    computes ``combine(values)`` (one result per replica) and wakes the others.
+    A replica that returned early (it skipped a collective the others make), a
+    failure in another replica, or a wait past ``timeout_seconds`` ends the wait
+    with an error instead of a hang.
+    """
+
+    def __init__(self, num_replicas: int, timeout_seconds: float):
+        self._num = num_replicas
+        self._timeout = timeout_seconds
+        self._cond = threading.Condition()
+        self._round = 0
+        self._values: dict[int, Any] = {}
+        self._results: dict[int, Any] = {}
+        self._readers: dict[int, int] = {}
+        self._finished: dict[int, int] = {}  # replica -> collectives it made before returning
+        self._failed = False
+
+    def exchange(self, replica: int, value: Any, combine: Callable[[list], list]) -> Any:
+        with self._cond:
+            round_ = self._round
+            self._check(replica, round_)
+            self._values[replica] = value
+            if len(self._values) == self._num:
+                values = [self._values[r] for r in range(self._num)]
+                self._values = {}
+                try:
+                    results = combine(values)
+                except BaseException:
+                    self._fail()
+                    raise
+                self._results[round_] = results
+                self._readers[round_] = self._num
+                self._round += 1
+                self._cond.notify_all()
+            else:
+                deadline = time.monotonic() + self._timeout
+                while self._round == round_:
+                    self._check(replica, round_)
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        missing = sorted(set(range(self._num)) - set(self._values))
+                        self._fail()
+                        raise RuntimeError(
+                            f"replica {replica} waited {self._timeout:.0f} s at collective #{round_ + 1} of an "
+                            f"uneven step; local replicas {missing} never reached it. Every replica must make "
+                            "the same collective calls (all_reduce, all_gather, apply_gradients) in the same "
+                            "order, whatever its number of rows."
+                        )
+                    self._cond.wait(left)
+            result = self._results[round_][replica]
+            self._readers[round_] -= 1
+            if not self._readers[round_]:
+                del self._results[round_], self._readers[round_]
+            return result
+
+    def finished(self, replica: int, num_collectives: int) -> None:
+        with self._cond:
+            self._finished[replica] = num_collectives
+            if self._values:
+                self._cond.notify_all()
+
+    def abort(self) -> None:
+        with self._cond:
+            self._fail()
+
+    def _fail(self) -> None:
+        self._failed = True
+        self._cond.notify_all()
+
+    def _check(self, replica: int, round_: int) -> None:
+        if self._failed:
+            raise _Aborted()
+        early = sorted(r for r, n in self._finished.items() if n <= round_)
+        if early:
+            self._failed = True
+            self._cond.notify_all()
+            raise RuntimeError(
+                f"replica {replica} reached collective #{round_ + 1} of an uneven step, but replicas "
+                f"{early} returned after {min(self._finished[r] for r in early)} collectives. Every replica "
+                "must make the same collective calls (all_reduce, all_gather, apply_gradients) in the same "
+                "order, whatever its number of rows: do not skip them for an empty replica."
+            )
+
+
+class ThreadedReplicaContext(ReplicaContext):
+    """The replica context of one replica thread in an uneven step.
+
+    Same API and answers as the SPMD context; collectives meet the other
+    replicas' threads (and, through one compiled program over the mesh, the
+    other workers' replicas).  ``replica_id_in_sync_group`` is an int32 scalar
+    array, as in the SPMD program.
+    """
+
+    def __init__(self, strategy: Any, replica: int, local_index: int, meeting: _Meeting, rows: int | None, global_rows: int | None):
+        super().__init__(strategy, in_program=True, rows=rows, global_rows=global_rows)
+        self._replica = replica
+        self._local = local_index
+        self._meeting = meeting
+        self._calls = 0
+        self._device = strategy.extended._local_devices[local_index]
+
+    @property
+    def replica_id_in_sync_group(self) -> Any:
+        return jnp.asarray(self._replica, jnp.int32)
+
+    # -- the meeting ------------------------------------------------------------------
+    def _meet(self, value: Any, combine: Callable[[list], list]) -> Any:
+        for leaf in jax.tree_util.tree_leaves(value):
+            if isinstance(leaf, jax.core.Tracer):
+                raise TypeError(
+                    "A collective (all_reduce, all_gather, or an optimizer's gradient sum) was called "
+                    "under a JAX transformation (jax.jit, vmap, lax.scan, lax.cond) inside an uneven step. "
+                    "In an uneven step (a batch that does not divide between the replicas) every replica "
+                    "runs eagerly on its own rows, and collectives need concrete values: call them outside "
+                    "the transformation, or drop the uneven batch (batch(..., drop_remainder=True))."
+                )
+        self._calls += 1
+        return self._meeting.exchange(self._local, value, combine)
+
+    def _sum_tree(self, tree: Any) -> Any:
+        """Sum over every replica (all workers) of each leaf of ``tree``; every replica gets it."""
+        strategy = self._strategy
+        leaves, treedef = jax.tree_util.tree_flatten(tree)
+        leaves = [jnp.asarray(x) for x in leaves]
+
+        def combine(per_replica: list) -> list:
+            return _sum_over_replicas(strategy, [list(col) for col in zip(*per_replica)])
+
+        return jax.tree_util.tree_unflatten(treedef, self._meet(leaves, combine))
+
+    def _sum(self, tree: Any) -> Any:
+        """Differentiable sum over replicas (the gradient of a sum is a sum)."""
+        return _differentiable_sum(self)(tree)
+
+    def _everyones(self, tree: Any) -> Any:
+        """Every replica's value of each (equal-shaped) leaf, on the host: ``(replicas, ...)`` each."""
+        strategy = self._strategy
+        leaves, treedef = jax.tree_util.tree_flatten(tree)
+
+        def combine(per_replica: list) -> list:
+            every = _everyone(strategy, [list(col) for col in zip(*per_replica)])
+            return [every] * len(per_replica)
+
+        return jax.tree_util.tree_unflatten(treedef, self._meet([jnp.asarray(x) for x in leaves], combine))
+
+    def _gather_tree(self, tree: Any, axis: int) -> Any:
+        """Concatenation of every replica's leaves along ``axis``, shapes may differ along it."""
+        strategy = self._strategy
+        leaves, treedef = jax.tree_util.tree_flatten(tree)
+        leaves = [jnp.asarray(x) for x in leaves]
+
+        def combine(per_replica: list) -> list:
+            return _gather_over_replicas(strategy, [list(col) for col in zip(*per_replica)], axis)
+
+        return jax.tree_util.tree_unflatten(treedef, self._meet(leaves, combine))
+
+    # -- public collectives ---------------------------------------------------------------
+    def all_reduce(self, reduce_op: ReduceOp | str, value: Any, options: Any = None) -> Any:
+        op = ReduceOp.from_value(reduce_op)
+        total = self._sum(jax.tree_util.tree_map(jnp.asarray, value))
+        if op is ReduceOp.SUM:
+            return total
+        return jax.tree_util.tree_map(lambda t: t / self.num_replicas_in_sync, total)
+
+    def all_gather(self, value: Any, axis: int, options: Any = None) -> Any:
+        for leaf in jax.tree_util.tree_leaves(value):
+            if jnp.ndim(leaf) == 0:
+                raise ValueError("all_gather needs values of rank >= 1; got a scalar. Expand its dims first.")
+        return _differentiable_gather(self, axis)(jax.tree_util.tree_map(jnp.asarray, value))
+
+    # -- what the engine and the Keras hooks use ---------------------------------------------
+    def _sum_gradients(self, grads: list) -> list:
+        present = [g for g in grads if g is not None]
+        summed = iter(self._sum_tree(present))
+        return [None if g is None else next(summed) for g in grads]
+
+    def _prepare_for_gradients(self, values: list) -> list:
+        return values
+
+    def _combine_all(self, variables: Sequence[Any], new: Sequence[Any], old: Sequence[Any]) -> list:
+        """Makes assigned variables identical on every replica, by their aggregation (as the SPMD path).
+
+        ``sum``: every replica's change counts; values equal on every replica stay;
+        others: ``mean`` over the replicas that had rows (an empty replica
+        contributes nothing), ``only_first_replica`` replica 0's, ``none`` an
+        error for trainable variables and the mean for the others (BatchNorm).
+        """
+        from distribute.replica import different_values_error
+
+        new = [jnp.asarray(n, dtype=o.dtype) for n, o in zip(new, old)]
+        first = self._replica == 0
+        summed = [v.aggregation == "sum" for v in variables]
+        # Round 1: every replica's change of the sum variables; replica 0's value of the others.
+        probe = [n - o if is_sum else jnp.where(first, n, jnp.zeros_like(n)) for n, o, is_sum in zip(new, old, summed)]
+        totals = self._sum_tree(probe)
+        others = [i for i, is_sum in enumerate(summed) if not is_sum]
+        out = [o + t if is_sum else t for o, t, is_sum in zip(old, totals, summed)]
+        if not others:
+            return out
+        # Round 2: which values differ from replica 0's, and their mean over the replicas that had rows.
+        has_rows = jnp.asarray(0.0 if self._rows == 0 else 1.0, jnp.float32)
+        differs = [jnp.any(new[i] != totals[i]).astype(jnp.int32) for i in others]
+        weighted = [(new[i] * has_rows.astype(new[i].dtype)) if jnp.issubdtype(new[i].dtype, jnp.inexact) else new[i] for i in others]
+        num_differ, sums, count = self._sum_tree((differs, weighted, has_rows))
+        count = jnp.maximum(count, 1.0)
+        for i, flag, total in zip(others, num_differ, sums):
+            var = variables[i]
+            if not int(flag) or var.aggregation == "only_first_replica":
+                continue  # replica 0's value (the others added zeros)
+            if var.aggregation == "mean" or (var.aggregation == "none" and not var.trainable):
+                out[i] = (total / count.astype(total.dtype)).astype(new[i].dtype)
+            else:
+                raise different_values_error(var)
+        return out
+
+
+def _differentiable_sum(context: ThreadedReplicaContext) -> Callable:
+    @jax.custom_vjp
+    def total(tree):
+        return context._sum_tree(tree)
+
+    def fwd(tree):
+        return context._sum_tree(tree), None
+
+    def bwd(_, cotangent):
+        return (context._sum_tree(cotangent),)
+
+    total.defvjp(fwd, bwd)
+    return total
+
+
+def _differentiable_gather(context: ThreadedReplicaContext, axis: int) -> Callable:
+    @jax.custom_vjp
+    def gather(tree):
+        return context._gather_tree(tree, axis)
+
+    def fwd(tree):
+        sizes = jax.tree_util.tree_map(lambda x: x.shape[axis % x.ndim], tree)
+        return context._gather_tree(tree, axis), sizes
+
+    def bwd(sizes, cotangent):
+        # The gradient of a gather: this replica's slice of the sum of every replica's cotangent.
+        total = context._sum_tree(cotangent)
+        starts = context._gather_tree(jax.tree_util.tree_map(lambda n: jnp.asarray([n]), sizes), 0)
+
+        def mine(t, offsets, n):
+            start = int(np.sum(np.asarray(offsets)[: context._replica]))
+            return jax.lax.slice_in_dim(t, start, start + n, axis=axis % t.ndim)
+
+        return (jax.tree_util.tree_map(mine, total, starts, sizes),)
+
+    gather.defvjp(fwd, bwd)
+    return gather
+
+
+# -- collectives over the mesh ------------------------------------------------------------
+def _global_from_local(strategy: Any, values: list) -> jax.Array:
+    """A ``(replicas, ...)`` array sharded on the mesh from this worker's per-device values."""
+    ext = strategy.extended
+    shards = [jax.device_put(jnp.asarray(v)[None], d) for v, d in zip(values, ext._local_devices)]
+    shape = (len(ext._devices), *shards[0].shape[1:])
+    return jax.make_array_from_single_device_arrays(shape, ext._per_replica_sharding, shards)
+
+
+def _per_local_device(strategy: Any, array: jax.Array) -> list:
+    by_device = {s.device: s.data for s in array.addressable_shards}
+    return [by_device[d] for d in strategy.extended._local_devices]
+
+
+@functools.lru_cache(maxsize=None)
+def _sum_program(sharding: Any) -> Callable:
+    return jax.jit(lambda arrays: [jnp.sum(a, axis=0) for a in arrays], out_shardings=sharding)
+
+
+@functools.lru_cache(maxsize=None)
+def _all_program(sharding: Any) -> Callable:
+    return jax.jit(lambda arrays: list(arrays), out_shardings=sharding)
+
+
+def _sum_over_replicas(strategy: Any, columns: list[list]) -> list[list]:
+    """``columns[i]``: this worker's per-device values of leaf ``i`` -> per local device, the sums."""
+    if not columns:
+        return [[] for _ in strategy.extended._local_devices]
+    ext = strategy.extended
+    for i, col in enumerate(columns):
+        shapes = {tuple(jnp.shape(v)) for v in col}
+        if len(shapes) > 1:
+            raise ValueError(
+                f"all_reduce got values of shapes {sorted(shapes)} on different replicas; every "
+                "replica must pass a value of the same shape (reduce the batch dim first, e.g. "
+                "with a sum over axis 0)."
+            )
+    totals = _sum_program(ext._replicated_sharding)([_global_from_local(strategy, col) for col in columns])
+    per_leaf = [_per_local_device(strategy, t) for t in totals]
+    return [list(per_device) for per_device in zip(*per_leaf)]
+
+
+def _everyone(strategy: Any, columns: list[list]) -> list[np.ndarray]:
+    """Every replica's (equal-shaped) values of each leaf, on the host: ``(replicas, ...)`` each."""
+    ext = strategy.extended
+    gathered = _all_program(ext._replicated_sharding)([_global_from_local(strategy, col) for col in columns])
+    return [np.asarray(g) for g in gathered]
+
+
+def _gather_over_replicas(strategy: Any, columns: list[list], axis: int) -> list[list]:
+    """Concatenates every replica's value of each leaf along ``axis``; sizes along it may differ."""
+    ext = strategy.extended
+    out_columns = []
+    for col in columns:
+        ndim = jnp.ndim(col[0])
+        ax = axis % ndim
+        others = {tuple(jnp.shape(v)[:ax] + jnp.shape(v)[ax + 1 :]) for v in col}
+        sizes = np.array([jnp.shape(v)[ax] for v in col], np.int32)
+        if jax.process_count() > 1:
+            shapes = _everyone(strategy, [[np.asarray(jnp.shape(v), np.int32) for v in col]])[0]
+            sizes = shapes[:, ax]
+            others = {tuple(np.delete(s, ax).tolist()) for s in shapes}
+        if len(others) > 1:
+            raise ValueError(
+                f"all_gather along axis {axis} got values whose other dims differ between replicas "
+                f"({sorted(others)}); only the gathered axis may differ."
+            )
+        width = max(int(sizes.max()), 0)
+        padded = [jnp.concatenate([v, jnp.zeros(v.shape[:ax] + (width - v.shape[ax],) + v.shape[ax + 1 :], v.dtype)], axis=ax) for v in col]
+        every = _everyone(strategy, [padded])[0]
+        pieces = [np.take(every[r], np.arange(int(n)), axis=ax) for r, n in enumerate(sizes.tolist())]
+        whole = np.concatenate(pieces, axis=ax)
+        out_columns.append([jax.device_put(whole, d) for d in ext._local_devices])
+    return [list(per_device) for per_device in zip(*out_columns)]
+
+
+# -- running the threads -------------------------------------------------------------------
+def run_replicas(strategy: Any, body: Callable[[ThreadedReplicaContext], Any], rows: Sequence[int] | None) -> list:
+    """Runs ``body(context)`` once per local replica, each in its own thread, and returns the results.
+
+    ``rows``: the real rows of every replica in the job (``num_replicas_in_sync``
+    counts), or None when the step has no batch.  Each thread runs in a copy of
+    the caller's context, on its replica's device (``jax.default_device``), with
+    Keras' thread-local settings (dtype policy) copied from the caller.
+
+    Raises:
+        The first exception a replica raised (the others stop at their next
+        collective).
+    """
+    from distribute._keras import copy_thread_state
+
+    ext = strategy.extended
+    num_local = len(ext._local_devices)
+    first = ext._devices.index(ext._local_devices[0])
+    timeout = float(getattr(ext, "_timeout_seconds", None) or MEETING_TIMEOUT_SECONDS)
+    meeting = _Meeting(num_local, timeout)
+    global_rows = None if rows is None else int(sum(rows))
+    results: list = [None] * num_local
+    errors: list = [None] * num_local
+    keras_state = copy_thread_state()
+
+    def work(local: int) -> None:
+        replica = first + local
+        context = ThreadedReplicaContext(strategy, replica, local, meeting, None if rows is None else int(rows[replica]), global_rows)
+        try:
+            keras_state.apply()
+            with jax.default_device(ext._local_devices[local]), _context.enter_replica(strategy, context):
+                results[local] = body(context)
+        except _Aborted:
+            errors[local] = _Aborted()
+        except BaseException as err:  # noqa: BLE001 - re-raised by the caller's thread
+            errors[local] = err
+            meeting.abort()
+        finally:
+            meeting.finished(local, context._calls)
+
+    threads = [threading.Thread(target=contextvars.copy_context().run, args=(work, i), name=f"distribute-replica-{i}", daemon=True) for i in range(num_local)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    real = [e for e in errors if e is not None and not isinstance(e, _Aborted)]
+    if real:
+        raise real[0]
+    if any(errors):  # pragma: no cover - an abort always has a cause
+        raise RuntimeError("an uneven step was aborted without an error")
+    return results
+
+
+def replicated_from_local(strategy: Any, per_device: list) -> jax.Array:
+    """One replicated array from this worker's identical per-device copies."""
+    ext = strategy.extended
+    per_device = [jax.device_put(jnp.asarray(v), d) for v, d in zip(per_device, ext._local_devices)]
+    return jax.make_array_from_single_device_arrays(per_device[0].shape, ext._replicated_sharding, per_device)
+
+
+def per_replica_from_local(strategy: Any, per_device: list, all_rows: Sequence[int] | None = None) -> tuple[jax.Array, np.ndarray | None]:
+    """A ``(replicas, rows, ...)`` array and the real row counts (None when equal) from per-device values.
+
+    ``all_rows``: every replica's dim 0 in the job (needed with several workers).
+    """
+    per_device = [jnp.asarray(v) for v in per_device]
+    shapes = {v.shape for v in per_device}
+    if all_rows is None:
+        all_rows = [v.shape[0] if v.ndim else None for v in per_device]
+    if len(shapes) == 1 and len(set(all_rows)) == 1:
+        return _global_from_local(strategy, per_device), None
+    width = max(all_rows)
+    padded = [jnp.concatenate([v, jnp.zeros((width - v.shape[0], *v.shape[1:]), v.dtype)]) for v in per_device]
+    return _global_from_local(strategy, padded), np.asarray(all_rows, np.int64)
+
+
+def local_slices(value: Any, strategy: Any) -> list:
+    """This worker's per-replica components of an input leaf, each on its replica's device."""
+    from distribute.values import Mirrored, PerReplica
+
+    ext = strategy.extended
+    if isinstance(value, PerReplica):
+        return list(value.values)
+    if isinstance(value, Mirrored):
+        value = value._array
+    if isinstance(value, jax.Array) and len(value.sharding.device_set) > 1:
+        by_device = {s.device: s.data for s in value.addressable_shards}
+        if all(d in by_device for d in ext._local_devices):
+            return [by_device[d] for d in ext._local_devices]
+    return [jax.device_put(value, d) for d in ext._local_devices]
+
