@@ -28,6 +28,7 @@ _EXPORTS = {
     "BackupAndRestore": "distribute.keras_support.backup",
     "Checkpoint": "distribute.checkpoint",
     "CheckpointManager": "distribute.checkpoint",
+    "latest_checkpoint": "distribute.checkpoint",
     "InputContext": "distribute.input",
     "InputOptions": "distribute.input",
     "InputReplicationMode": "distribute.input",
