@@ -130,7 +130,7 @@ def test_manager_keeps_max_to_keep_and_restores_latest(tmp_path):
     assert manager2.restore_or_initialize() == str(tmp_path / "ckpt-10")
     for a, b in zip(values(model2, optimizer2), final):
         np.testing.assert_array_equal(a, b)
-    assert manager2.save().endswith("ckpt-11")
+    assert manager2.save().endswith("ckpt-5")  # TF: the restored save_counter (4) + 1
 
     calls = []
     empty = distribute.CheckpointManager(checkpoint, tmp_path / "empty", init_fn=lambda: calls.append(1))
@@ -238,6 +238,161 @@ def test_write_is_atomic(tmp_path, monkeypatch):
     distribute.Checkpoint(model=model2, optimizer=optimizer2).restore(first)
     for a, b in zip(values(model2, optimizer2), saved):
         np.testing.assert_array_equal(a, b)
+
+
+# -- TF parity and orbax ---------------------------------------------------------------------------
+TF = json.loads((HERE.parent / "parity" / "tf_2_21_checkpoint.json").read_text())
+
+
+def _names(paths):
+    return [os.path.basename(p) for p in paths]
+
+
+def test_manager_numbering_and_max_to_keep_match_tf(tmp_path):
+    """tf.train.CheckpointManager's values (checkpoint_management_test), recorded from TF 2.21."""
+    import keras
+
+    import distribute
+
+    tf = TF["manager"]
+    v = keras.Variable(1.0)
+    manager = distribute.CheckpointManager(distribute.Checkpoint(v=v), tmp_path / "d", max_to_keep=2)
+    assert manager.latest_checkpoint is tf["latest_before"] is None
+    saves = []
+    for i in range(3):
+        v.assign(float(i + 10))
+        saves.append(os.path.basename(manager.save()))
+    assert saves == tf["saves"]
+    assert _names(manager.checkpoints) == tf["checkpoints"]
+    assert os.path.basename(manager.latest_checkpoint) == tf["latest"]
+    assert os.path.basename(manager.save(checkpoint_number=10)) == tf["save_number_10"]
+    assert _names(manager.checkpoints) == tf["checkpoints_after_10"]
+    assert os.path.basename(distribute.latest_checkpoint(tmp_path / "d")) == tf["tf_latest_checkpoint"]
+
+    v2 = keras.Variable(0.0)
+    checkpoint2 = distribute.Checkpoint(v=v2)
+    manager2 = distribute.CheckpointManager(checkpoint2, tmp_path / "d", max_to_keep=2)
+    assert _names(manager2.checkpoints) == tf["fresh_checkpoints"]
+    assert os.path.basename(manager2.restore_or_initialize()) == tf["restore_or_initialize"]
+    assert float(v2.value) == tf["restored_value"] and checkpoint2.save_counter == tf["restored_save_counter"]
+    assert os.path.basename(manager2.save()) == tf["fresh_save"]
+    assert os.path.basename(manager2.latest_checkpoint) == tf["fresh_save"]  # newest save, not highest number
+
+    keep_all = distribute.CheckpointManager(distribute.Checkpoint(v=keras.Variable(1.0)), tmp_path / "all", max_to_keep=None)
+    assert [os.path.basename(keep_all.save()) for _ in range(4)] == tf["keep_all"]
+    assert _names(keep_all.checkpoints) == tf["keep_all_checkpoints"]
+    assert distribute.latest_checkpoint(tmp_path / "nothing") is tf["latest_of_missing_dir"] is None
+    (tmp_path / "empty").mkdir()
+    assert distribute.latest_checkpoint(tmp_path / "empty") is tf["latest_of_empty_dir"] is None
+
+
+DTYPES = ["float16", "bfloat16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8", "uint32", "bool"]
+
+
+def test_every_dtype_round_trips_exactly_and_plain_orbax_reads_it(tmp_path):
+    """int64 (TF: value 7, dtype int64, recorded) and every other dtype come back with their declared dtype."""
+    import keras
+    import orbax.checkpoint as ocp
+
+    import distribute
+
+    def make(seed):
+        rng = np.random.default_rng(seed)
+        out = {}
+        for dtype in DTYPES:
+            if dtype == "bool":
+                init = rng.integers(0, 2, size=(3,)).astype(bool)
+            elif dtype.startswith(("int", "uint")):
+                init = rng.integers(0, 100, size=(3,)).astype(dtype)
+            else:
+                init = rng.normal(size=(3,)).astype(np.float32)
+            out[dtype] = keras.Variable(initializer=init, shape=(3,), dtype=dtype, name=dtype)
+        out["step"] = keras.Variable(initializer=7 if seed == 0 else 0, shape=(), dtype="int64", name="step")
+        out["empty"] = keras.Variable(initializer=np.zeros((0, 2), np.float32), shape=(0, 2), name="empty")
+        return out
+
+    saved = make(0)
+    path = distribute.Checkpoint(**saved).write(tmp_path / "all")
+    restored = make(1)
+    distribute.Checkpoint(**restored).restore(path).assert_consumed()
+    for key, variable in saved.items():
+        assert restored[key].dtype == variable.dtype
+        np.testing.assert_array_equal(np.asarray(restored[key].value), np.asarray(variable.value))
+    assert int(restored["step"].value) == TF["int64"]["value"] and restored["step"].dtype == TF["int64"]["dtype"]
+
+    plain = ocp.StandardCheckpointer().restore(path)
+    assert {key: plain[key][0].dtype.name for key in DTYPES + ["step"]} == {key: key for key in DTYPES} | {"step": "int64"}
+    assert plain["empty"] == []  # orbax stores no zero-size arrays; the record has the shape
+
+
+def test_deferred_restoration_into_an_unbuilt_model(tmp_path, saved_at_four):
+    """TF: restore before build; assert_consumed raises AssertionError until the model is built, then the values are there."""
+    import keras
+    from helpers import mirrored
+
+    import distribute
+
+    assert TF["deferred"]["assert_consumed_before_build"] == "AssertionError" and TF["deferred"]["equal_after_build"]
+    path, saved, next_step = saved_at_four
+    strategy = mirrored(2)
+    with strategy.scope():
+        keras.utils.set_random_seed(9)
+        model = keras.Sequential([keras.layers.Dense(4, activation="relu"), keras.layers.Dense(2)])
+        optimizer = keras.optimizers.Adam(0.01)
+    status = distribute.Checkpoint(model=model, optimizer=optimizer).restore(path)
+    with pytest.raises(AssertionError, match=r"\['model', 'optimizer'\] are not restored yet"):
+        status.assert_consumed()
+    with strategy.scope():
+        model.build((None, 5))  # the model's values now, the optimizer's slots when it builds them
+    for a, b in zip(values(model), saved[:4]):
+        np.testing.assert_array_equal(a, b)
+    train(strategy, model, optimizer, 1)
+    status.assert_consumed()
+    for a, b in zip(values(model), next_step):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)
+
+
+def test_save_is_asynchronous_and_bad_schemes_are_refused(tmp_path, monkeypatch):
+    """save returns while the bytes are still being written; the commit (rename) happens later, in the background."""
+    import threading
+
+    import keras
+    from orbax.checkpoint._src.checkpointers import async_checkpointer
+
+    import distribute
+
+    big = keras.Variable(np.ones((256, 1024), np.float32))
+    checkpoint = distribute.Checkpoint(big=big)
+    release = threading.Event()
+    real = async_checkpointer._background_wait_for_commit_futures
+
+    def held(*args, **kwargs):
+        assert release.wait(30)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(async_checkpointer, "_background_wait_for_commit_futures", held)
+    path = checkpoint.write(tmp_path / "a")
+    big.assign(big.value * 2)  # training goes on; the checkpoint keeps the value at save time
+    assert not os.path.exists(path) and os.listdir(tmp_path) == ["a.orbax-checkpoint-tmp"]
+    release.set()
+    checkpoint.wait_until_finished()
+    assert os.listdir(tmp_path) == ["a"]
+    other = keras.Variable(np.zeros((256, 1024), np.float32))
+    distribute.Checkpoint(big=other).restore(path)
+    np.testing.assert_array_equal(np.asarray(other.value), np.ones((256, 1024), np.float32))
+
+    for bad in ("hdfs://namenode/ckpt", "ftp://host/ckpt"):
+        with pytest.raises(ValueError, match=r"scheme '(hdfs|ftp)'.*local path"):
+            checkpoint.write(bad)
+    with pytest.raises(ValueError, match="scheme 'hdfs'"):
+        distribute.CheckpointManager(checkpoint, "hdfs://namenode/ckpt")
+    # gs:// works with gcsfs installed; without it (here) the error says so.
+    try:
+        import gcsfs  # noqa: F401
+    except ImportError:
+        with pytest.raises(ValueError, match=r"gs:// file system is not usable.*pip install gcsfs"):
+            checkpoint.write("gs://bucket/ckpt")
+    assert not (pathlib.Path.cwd() / "hdfs:").exists()
 
 
 # -- multi-process ------------------------------------------------------------------------------

@@ -23,7 +23,6 @@ import atexit
 import logging
 import os
 import threading
-import weakref
 from typing import Any
 
 import numpy as np
@@ -34,7 +33,7 @@ _RECORD_KEY = "distribute"
 _FORMAT = 2
 _REMOTE_SCHEMES = ("gs", "s3")
 
-_pending: "weakref.WeakSet[_Writer]" = weakref.WeakSet()
+_pending: "set[_Writer]" = set()  # strong references: a Checkpoint dropped right after save still commits
 _pending_lock = threading.Lock()
 
 
@@ -154,6 +153,16 @@ atexit.register(_wait_at_exit)
 def is_checkpoint(path: Any) -> bool:
     """Whether ``path`` is a committed checkpoint directory written by this module."""
     return path.is_dir() and (path / "_CHECKPOINT_METADATA").exists()
+
+
+def started_at(path: Any) -> int:
+    """When the save of the committed checkpoint ``path`` began (orbax's step metadata, ns); 0 if unknown."""
+    import orbax.checkpoint as ocp
+
+    try:
+        return int(ocp.metadata.get_step_metadata(path).init_timestamp_nsecs or 0)
+    except Exception:  # noqa: BLE001 - an unreadable checkpoint sorts first (oldest)
+        return 0
 
 
 def read(path: Any, num_workers: int) -> tuple[dict, dict[str, list[np.ndarray]]]:

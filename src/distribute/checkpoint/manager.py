@@ -12,15 +12,18 @@ from distribute.checkpoint.checkpoint import Checkpoint
 
 
 def _numbered(directory: str, name: str) -> list[tuple[int, str]]:
-    """Committed ``{name}-N`` checkpoints in ``directory``, oldest first (orbax's temporary directories are not)."""
+    """Committed ``{name}-N`` checkpoints in ``directory``, in the order they were saved (as TF), oldest first.
+
+    Orbax's temporary (uncommitted) directories are not listed.
+    """
     _storage.wait_for_pending_saves()
     location = _storage.checkpoint_path(directory)
     pattern = re.compile(rf"^{re.escape(name)}-(\d+)$")
     if not location.is_dir():
         return []
-    found = [(int(m.group(1)), child) for child in location.iterdir()
+    found = [(_storage.started_at(child), int(m.group(1)), child) for child in location.iterdir()
              if (m := pattern.match(child.name)) and _storage.is_checkpoint(child)]
-    return [(number, os.path.join(directory, child.name)) for number, child in sorted(found)]
+    return [(number, os.path.join(directory, child.name)) for _, number, child in sorted(found)]
 
 
 def latest_checkpoint(checkpoint_dir: str | os.PathLike, checkpoint_name: str = "ckpt") -> str | None:
@@ -40,8 +43,8 @@ class CheckpointManager:
     """Keeps the last ``max_to_keep`` checkpoints in a directory (tf.train.CheckpointManager).
 
     Checkpoints are ``{directory}/{checkpoint_name}-{number}`` orbax directories;
-    the manager finds the ones already there, so a relaunched job sees the last
-    one.  Old checkpoints are deleted (by the chief) only once a newer one is
+    the manager finds the ones already there (ordered by when they were saved,
+    as TF's), so a relaunched job sees the last one.  Old checkpoints are deleted (by the chief) only once a newer one is
     committed (when this process next waits for the save: the next save,
     ``checkpoints``, ``latest_checkpoint``, ``wait_until_finished()``, exit), so a
     crash during an asynchronous save never leaves fewer than ``max_to_keep``.
@@ -114,9 +117,10 @@ class CheckpointManager:
         """Starts a new checkpoint (every worker calls) and returns its path at once.
 
         Args:
-            checkpoint_number: the number in the name; default: one more than
-                both the checkpoint's ``save_counter`` and the newest number in
-                the directory.
+            checkpoint_number: the number in the name; default: the
+                checkpoint's ``save_counter`` after this save (as TF: restore
+                the latest checkpoint first, or a new run numbers from 1 again
+                and replaces ``ckpt-1``).
 
         Returns:
             The new checkpoint's path.
@@ -125,10 +129,9 @@ class CheckpointManager:
 
     def _save(self, checkpoint_number: int | None, extra: dict) -> str:
         self._prune()  # waits for the previous save, so it counts among the kept ones
-        if checkpoint_number is None:
-            numbered = _numbered(self._directory, self._name)
-            checkpoint_number = max(self._checkpoint.save_counter, numbered[-1][0] if numbered else 0) + 1
         self._checkpoint.save_counter += 1
+        if checkpoint_number is None:
+            checkpoint_number = self._checkpoint.save_counter  # TF: the checkpoint's save counter
         return self._checkpoint._write(os.path.join(self._directory, f"{self._name}-{int(checkpoint_number)}"), extra,
                                        on_commit=self._prune)
 
