@@ -80,3 +80,13 @@ def enter_replica(strategy: "Strategy", replica_context: "ReplicaContext") -> It
         yield
     finally:
         _STATE.reset(token)
+
+
+@contextlib.contextmanager
+def outside_scope() -> Iterator[None]:
+    """Runs the block as if no strategy scope were entered (variables made there are plain, local ones)."""
+    token = _STATE.set(_State())
+    try:
+        yield
+    finally:
+        _STATE.reset(token)

@@ -237,9 +237,11 @@ class MultiWorkerMirroredStrategy(Strategy):
 
     def __init__(self, cluster_resolver: Any = None, communication_options: CommunicationOptions | None = None):
         from distribute.cluster import TFConfigClusterResolver
+        from distribute.keras_support import saving
         from distribute.keras_support.hooks import install
 
         install()
+        saving.install()
         if communication_options is None:
             communication_options = CommunicationOptions()
         if not isinstance(communication_options, CommunicationOptions):
