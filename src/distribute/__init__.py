@@ -14,7 +14,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from distribute._backend import require_jax_backend as _require_jax_backend
+from distribute._backend import require_jax_backend_at_import as _require_jax_backend
 
 _require_jax_backend()
 
