@@ -126,7 +126,7 @@ def _join(cluster: _Cluster, timeout_seconds: float) -> Any:
     never_joined.start()
     try:
         state.client.connect()
-    except Exception as err:  # noqa: BLE001 - jaxlib raises its own runtime error type
+    except Exception as err:
         raise WorkerLostError(
             f"{cluster.names[cluster.worker_id]} could not join the cluster within {seconds} s: "
             f"{_missing_text(cluster, range(cluster.num_workers))} did not connect to the "
@@ -184,7 +184,7 @@ class _ExitStatus:
         sys.exit = exit
 
 
-def _fail_fast_on_exit(cluster: _Cluster, watchdog: "_Watchdog") -> None:
+def _fail_fast_on_exit(cluster: _Cluster, watchdog: _Watchdog) -> None:
     """A worker that calls ``sys.exit(N)`` with N != 0 leaves at once and tells the others.
 
     Without this it waits at jax.distributed's shutdown barrier for workers that
@@ -279,9 +279,7 @@ class _Watchdog(threading.Thread):
             for w, value in values.items():
                 if value is not None and value.startswith("failed:") and not self._stopped.is_set():
                     self._fail([w], f"it exited with status {value.split(':', 1)[1]}")
-                elif value == "exited":
-                    last[w] = (value, now)
-                elif value != last[w][0]:
+                elif value == "exited" or value != last[w][0]:
                     last[w] = (value, now)
                 elif now - last[w][1] > self._timeout and not self._stopped.is_set():
                     self._fail([w], f"it sent no heartbeat for {self._timeout:g} s")
@@ -289,7 +287,7 @@ class _Watchdog(threading.Thread):
     def _try_get(self, key: str) -> str | None:
         try:
             return self._client.key_value_try_get(key)
-        except Exception as err:  # noqa: BLE001 - NOT_FOUND before the first beat
+        except Exception as err:
             if "NOT_FOUND" in str(err) or "not found" in str(err).lower():
                 return None
             raise
@@ -328,7 +326,7 @@ class _Exchange:
             remaining_ms = max(int((deadline - time.monotonic()) * 1000), 1)
             try:
                 out.append(self._client.blocking_key_value_get_bytes(f"{key}/{w}", remaining_ms))
-            except Exception as err:  # noqa: BLE001 - jaxlib's runtime error
+            except Exception as err:
                 missing = [v for v in range(w, cluster.num_workers) if v != cluster.worker_id and not self._has(f"{key}/{v}")]
                 raise WorkerLostError(
                     f"{_missing_text(cluster, missing or [w])} did not reach {what} within "

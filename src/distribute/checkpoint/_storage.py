@@ -33,7 +33,7 @@ _RECORD_KEY = "distribute"
 _FORMAT = 2
 _REMOTE_SCHEMES = ("gs", "s3")
 
-_pending: "set[_Writer]" = set()  # strong references: a Checkpoint dropped right after save still commits
+_pending: set[_Writer] = set()  # strong references: a Checkpoint dropped right after save still commits
 _pending_lock = threading.Lock()
 
 
@@ -69,7 +69,7 @@ def checkpoint_path(path: str | os.PathLike) -> Any:
         try:
             remote = epath.Path(text)
             remote.exists()
-        except Exception as err:  # noqa: BLE001 - etils raises the backend's own errors
+        except Exception as err:
             package = "gcsfs" if scheme == "gs" else "s3fs"
             raise ValueError(
                 f"checkpoint path {text!r}: the {scheme}:// file system is not usable here "
@@ -192,7 +192,7 @@ def read(path: Any, num_workers: int) -> tuple[dict, dict[str, list[np.ndarray]]
             for name, entries in _by_object(record).items()
         }
         stored = checkpointer.restore(path, args=ocp.args.StandardRestore(target)) if any(target.values()) else {}
-    except Exception as err:  # noqa: BLE001 - orbax/tensorstore raise many types
+    except Exception as err:
         raise UnreadableCheckpointError(
             f"{str(path)!r} is not a readable distribute checkpoint ({type(err).__name__}: {err}); "
             "restore one written by distribute.Checkpoint, e.g. an older one from CheckpointManager.checkpoints."
