@@ -117,20 +117,20 @@ def test_manager_keeps_max_to_keep_and_restores_latest(tmp_path):
     for _ in range(3):
         train(strategy, model, optimizer, 1)
         paths.append(manager.save())
-    assert [os.path.basename(p) for p in paths] == ["ckpt-1.npz", "ckpt-2.npz", "ckpt-3.npz"]
+    assert [os.path.basename(p) for p in paths] == ["ckpt-1", "ckpt-2", "ckpt-3"]
     assert manager.checkpoints == paths[1:] and manager.latest_checkpoint == paths[2]
-    assert sorted(os.listdir(tmp_path)) == ["ckpt-2.npz", "ckpt-3.npz"]  # no temporary files left
-    assert distribute.checkpoint.latest_checkpoint(tmp_path) == paths[2]
-    assert manager.save(checkpoint_number=10).endswith("ckpt-10.npz")
+    assert sorted(os.listdir(tmp_path)) == ["ckpt-2", "ckpt-3"]  # no temporary directories left
+    assert distribute.latest_checkpoint(tmp_path) == paths[2]
+    assert manager.save(checkpoint_number=10).endswith("ckpt-10")
     final = values(model, optimizer)
 
     # A relaunched job: a fresh manager finds the checkpoints and restores the newest.
     model2, optimizer2 = build(strategy)
     manager2 = distribute.CheckpointManager(distribute.Checkpoint(model=model2, optimizer=optimizer2), tmp_path, max_to_keep=2)
-    assert manager2.restore_or_initialize() == str(tmp_path / "ckpt-10.npz")
+    assert manager2.restore_or_initialize() == str(tmp_path / "ckpt-10")
     for a, b in zip(values(model2, optimizer2), final):
         np.testing.assert_array_equal(a, b)
-    assert manager2.save().endswith("ckpt-11.npz")
+    assert manager2.save().endswith("ckpt-5")  # TF: the restored save_counter (4) + 1
 
     calls = []
     empty = distribute.CheckpointManager(checkpoint, tmp_path / "empty", init_fn=lambda: calls.append(1))
@@ -145,16 +145,16 @@ def test_checkpoint_save_write_and_counter(tmp_path):
     model, optimizer = build(mirrored(2))
     checkpoint = distribute.Checkpoint(model=model, optimizer=optimizer)
     assert checkpoint.model is model
-    assert checkpoint.save(tmp_path / "run") == str(tmp_path / "run-1.npz")
-    assert checkpoint.save(tmp_path / "run") == str(tmp_path / "run-2.npz")
-    assert checkpoint.write(tmp_path / "exact") == str(tmp_path / "exact.npz")
+    assert checkpoint.save(tmp_path / "run") == str(tmp_path / "run-1")
+    assert checkpoint.save(tmp_path / "run") == str(tmp_path / "run-2")
+    assert checkpoint.write(tmp_path / "exact") == str(tmp_path / "exact")
     restored = distribute.Checkpoint(model=build(mirrored(1))[0])
     with pytest.raises(ValueError, match=r"has no object 'net'.*Checkpoint\(model=..., optimizer=...\)"):
         distribute.Checkpoint(net=model).restore(tmp_path / "run-1")
     fresh = distribute.Checkpoint(model=model, optimizer=optimizer)
     fresh.restore(tmp_path / "run-2")
     assert fresh.save_counter == 2
-    restored.restore(str(tmp_path / "exact.npz"))  # only the objects asked for are restored
+    restored.restore(str(tmp_path / "exact"))  # only the objects asked for are restored
     for a, b in zip(values(restored.model), values(model)):
         np.testing.assert_array_equal(a, b)
     with pytest.raises(ValueError, match="at least one object"):
@@ -173,11 +173,12 @@ def test_missing_path_raises(tmp_path):
     import distribute
 
     model, _ = build(mirrored(2))
-    with pytest.raises(ValueError, match=r"no checkpoint at .*nothing\.npz.*does not exist"):
+    with pytest.raises(ValueError, match=r"no checkpoint at .*nothing.*does not exist"):
         distribute.Checkpoint(model=model).restore(tmp_path / "nothing")
-    (tmp_path / "bad.npz").write_bytes(b"not a zip file")
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "_CHECKPOINT_METADATA").write_text("{not json")
     with pytest.raises(ValueError, match="not a readable distribute checkpoint"):
-        distribute.Checkpoint(model=model).restore(tmp_path / "bad.npz")
+        distribute.Checkpoint(model=model).restore(tmp_path / "bad")
 
 
 def test_mismatch_names_the_variable_and_assigns_nothing(tmp_path):
@@ -209,76 +210,243 @@ def test_mismatch_names_the_variable_and_assigns_nothing(tmp_path):
 
 
 def test_write_is_atomic(tmp_path, monkeypatch):
-    """A write that dies midway leaves the previous checkpoint whole and no temporary file."""
+    """A save that dies midway leaves the previous checkpoint whole, and is never listed."""
+    import orbax.checkpoint as ocp
     from helpers import mirrored
 
     import distribute
-    from distribute import checkpoint as ckpt_module
 
     model, optimizer = build(mirrored(2))
-    checkpoint = distribute.Checkpoint(model=model, optimizer=optimizer)
-    path = checkpoint.write(tmp_path / "state")
-    good = (tmp_path / "state.npz").read_bytes()
+    manager = distribute.CheckpointManager(distribute.Checkpoint(model=model, optimizer=optimizer), tmp_path)
+    first = manager.save()
+    manager.wait_until_finished()
+    saved = values(model, optimizer)
 
-    def dying_savez(f, **arrays):
-        f.write(b"PK\x03\x04 half a zip")
+    real = ocp.StandardCheckpointHandler.async_save
+
+    async def dying(self, directory, *args, **kwargs):
+        await real(self, directory, *args, **kwargs)  # the values start to be written, then the disk fills
         raise OSError("disk full")
 
-    monkeypatch.setattr(ckpt_module.np, "savez", dying_savez)
+    monkeypatch.setattr(ocp.StandardCheckpointHandler, "async_save", dying)
     with pytest.raises(OSError, match="disk full"):
-        checkpoint.write(tmp_path / "state")
-    monkeypatch.undo()
-    assert os.listdir(tmp_path) == ["state.npz"] and (tmp_path / "state.npz").read_bytes() == good
-    distribute.Checkpoint(model=model, optimizer=optimizer).restore(path)
+        manager.save()
+        manager.wait_until_finished()
+    monkeypatch.setattr(ocp.StandardCheckpointHandler, "async_save", real)
+    assert manager.checkpoints == [first] and distribute.latest_checkpoint(tmp_path) == first
+    model2, optimizer2 = build(mirrored(2))
+    distribute.Checkpoint(model=model2, optimizer=optimizer2).restore(first)
+    for a, b in zip(values(model2, optimizer2), saved):
+        np.testing.assert_array_equal(a, b)
+
+
+# -- TF parity and orbax ---------------------------------------------------------------------------
+TF = json.loads((HERE.parent / "parity" / "tf_2_21_checkpoint.json").read_text())
+
+
+def _names(paths):
+    return [os.path.basename(p) for p in paths]
+
+
+def test_manager_numbering_and_max_to_keep_match_tf(tmp_path):
+    """tf.train.CheckpointManager's values (checkpoint_management_test), recorded from TF 2.21."""
+    import keras
+
+    import distribute
+
+    tf = TF["manager"]
+    v = keras.Variable(1.0)
+    manager = distribute.CheckpointManager(distribute.Checkpoint(v=v), tmp_path / "d", max_to_keep=2)
+    assert manager.latest_checkpoint is tf["latest_before"] is None
+    saves = []
+    for i in range(3):
+        v.assign(float(i + 10))
+        saves.append(os.path.basename(manager.save()))
+    assert saves == tf["saves"]
+    assert _names(manager.checkpoints) == tf["checkpoints"]
+    assert os.path.basename(manager.latest_checkpoint) == tf["latest"]
+    assert os.path.basename(manager.save(checkpoint_number=10)) == tf["save_number_10"]
+    assert _names(manager.checkpoints) == tf["checkpoints_after_10"]
+    assert os.path.basename(distribute.latest_checkpoint(tmp_path / "d")) == tf["tf_latest_checkpoint"]
+
+    v2 = keras.Variable(0.0)
+    checkpoint2 = distribute.Checkpoint(v=v2)
+    manager2 = distribute.CheckpointManager(checkpoint2, tmp_path / "d", max_to_keep=2)
+    assert _names(manager2.checkpoints) == tf["fresh_checkpoints"]
+    assert os.path.basename(manager2.restore_or_initialize()) == tf["restore_or_initialize"]
+    assert float(v2.value) == tf["restored_value"] and checkpoint2.save_counter == tf["restored_save_counter"]
+    assert os.path.basename(manager2.save()) == tf["fresh_save"]
+    assert os.path.basename(manager2.latest_checkpoint) == tf["fresh_save"]  # newest save, not highest number
+
+    keep_all = distribute.CheckpointManager(distribute.Checkpoint(v=keras.Variable(1.0)), tmp_path / "all", max_to_keep=None)
+    assert [os.path.basename(keep_all.save()) for _ in range(4)] == tf["keep_all"]
+    assert _names(keep_all.checkpoints) == tf["keep_all_checkpoints"]
+    assert distribute.latest_checkpoint(tmp_path / "nothing") is tf["latest_of_missing_dir"] is None
+    (tmp_path / "empty").mkdir()
+    assert distribute.latest_checkpoint(tmp_path / "empty") is tf["latest_of_empty_dir"] is None
+
+
+DTYPES = ["float16", "bfloat16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8", "uint32", "bool"]
+
+
+def test_every_dtype_round_trips_exactly_and_plain_orbax_reads_it(tmp_path):
+    """int64 (TF: value 7, dtype int64, recorded) and every other dtype come back with their declared dtype."""
+    import keras
+    import orbax.checkpoint as ocp
+
+    import distribute
+
+    def make(seed):
+        rng = np.random.default_rng(seed)
+        out = {}
+        for dtype in DTYPES:
+            if dtype == "bool":
+                init = rng.integers(0, 2, size=(3,)).astype(bool)
+            elif dtype.startswith(("int", "uint")):
+                init = rng.integers(0, 100, size=(3,)).astype(dtype)
+            else:
+                init = rng.normal(size=(3,)).astype(np.float32)
+            out[dtype] = keras.Variable(initializer=init, shape=(3,), dtype=dtype, name=dtype)
+        out["step"] = keras.Variable(initializer=7 if seed == 0 else 0, shape=(), dtype="int64", name="step")
+        out["empty"] = keras.Variable(initializer=np.zeros((0, 2), np.float32), shape=(0, 2), name="empty")
+        return out
+
+    saved = make(0)
+    path = distribute.Checkpoint(**saved).write(tmp_path / "all")
+    restored = make(1)
+    distribute.Checkpoint(**restored).restore(path).assert_consumed()
+    for key, variable in saved.items():
+        assert restored[key].dtype == variable.dtype
+        np.testing.assert_array_equal(np.asarray(restored[key].value), np.asarray(variable.value))
+    assert int(restored["step"].value) == TF["int64"]["value"] and restored["step"].dtype == TF["int64"]["dtype"]
+
+    plain = ocp.StandardCheckpointer().restore(path)
+    assert {key: plain[key][0].dtype.name for key in DTYPES + ["step"]} == {key: key for key in DTYPES} | {"step": "int64"}
+    assert plain["empty"] == []  # orbax stores no zero-size arrays; the record has the shape
+
+
+def test_deferred_restoration_into_an_unbuilt_model(tmp_path, saved_at_four):
+    """TF: restore before build; assert_consumed raises AssertionError until the model is built, then the values are there."""
+    import keras
+    from helpers import mirrored
+
+    import distribute
+
+    assert TF["deferred"]["assert_consumed_before_build"] == "AssertionError" and TF["deferred"]["equal_after_build"]
+    path, saved, next_step = saved_at_four
+    strategy = mirrored(2)
+    with strategy.scope():
+        keras.utils.set_random_seed(9)
+        model = keras.Sequential([keras.layers.Dense(4, activation="relu"), keras.layers.Dense(2)])
+        optimizer = keras.optimizers.Adam(0.01)
+    status = distribute.Checkpoint(model=model, optimizer=optimizer).restore(path)
+    with pytest.raises(AssertionError, match=r"\['model', 'optimizer'\] are not restored yet"):
+        status.assert_consumed()
+    with strategy.scope():
+        model.build((None, 5))  # the model's values now, the optimizer's slots when it builds them
+    for a, b in zip(values(model), saved[:4]):
+        np.testing.assert_array_equal(a, b)
+    train(strategy, model, optimizer, 1)
+    status.assert_consumed()
+    for a, b in zip(values(model), next_step):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)
+
+
+def test_save_is_asynchronous_and_bad_schemes_are_refused(tmp_path, monkeypatch):
+    """save returns while the bytes are still being written; the commit (rename) happens later, in the background."""
+    import threading
+
+    import keras
+    from orbax.checkpoint._src.checkpointers import async_checkpointer
+
+    import distribute
+
+    big = keras.Variable(np.ones((256, 1024), np.float32))
+    checkpoint = distribute.Checkpoint(big=big)
+    release = threading.Event()
+    real = async_checkpointer._background_wait_for_commit_futures
+
+    def held(*args, **kwargs):
+        assert release.wait(30)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(async_checkpointer, "_background_wait_for_commit_futures", held)
+    path = checkpoint.write(tmp_path / "a")
+    big.assign(big.value * 2)  # training goes on; the checkpoint keeps the value at save time
+    assert not os.path.exists(path) and os.listdir(tmp_path) == ["a.orbax-checkpoint-tmp"]
+    release.set()
+    checkpoint.wait_until_finished()
+    assert os.listdir(tmp_path) == ["a"]
+    other = keras.Variable(np.zeros((256, 1024), np.float32))
+    distribute.Checkpoint(big=other).restore(path)
+    np.testing.assert_array_equal(np.asarray(other.value), np.ones((256, 1024), np.float32))
+
+    for bad in ("hdfs://namenode/ckpt", "ftp://host/ckpt"):
+        with pytest.raises(ValueError, match=r"scheme '(hdfs|ftp)'.*local path"):
+            checkpoint.write(bad)
+    with pytest.raises(ValueError, match="scheme 'hdfs'"):
+        distribute.CheckpointManager(checkpoint, "hdfs://namenode/ckpt")
+    # gs:// works with gcsfs installed; without it (here) the error says so.
+    try:
+        import gcsfs  # noqa: F401
+    except ImportError:
+        with pytest.raises(ValueError, match=r"gs:// file system is not usable.*pip install gcsfs"):
+            checkpoint.write("gs://bucket/ckpt")
+    assert not (pathlib.Path.cwd() / "hdfs:").exists()
 
 
 # -- multi-process ------------------------------------------------------------------------------
 def _worker(out_dir: str) -> None:
-    import distribute
-    from distribute import checkpoint as ckpt_module
-    from distribute.multi_worker import CommunicationOptions
+    import shutil
 
-    writes = []
-    real = ckpt_module._atomic_savez
-    ckpt_module._atomic_savez = lambda path, arrays: (writes.append(path), real(path, arrays))[1]
+    import distribute
+    from distribute.multi_worker import CommunicationOptions
 
     strategy = distribute.MultiWorkerMirroredStrategy(communication_options=CommunicationOptions(timeout_seconds=30))
     me = strategy.extended._input_pipelines()[1]
     model, optimizer = build(strategy)
     train(strategy, model, optimizer, 2)
-    manager = distribute.CheckpointManager(distribute.Checkpoint(model=model, optimizer=optimizer), pathlib.Path(out_dir, "ckpt"))
+    # TF's tutorial: the chief writes into the real directory, the others into a temporary one they delete.
+    directory = pathlib.Path(out_dir, "ckpt") if strategy.extended.should_checkpoint else pathlib.Path(out_dir, "ckpt", f"workertemp_{me}")
+    manager = distribute.CheckpointManager(distribute.Checkpoint(model=model, optimizer=optimizer), directory)
     path = manager.save()
-    seen = sorted(os.listdir(pathlib.Path(out_dir, "ckpt")))  # after the barrier: the file is there for everyone
+    manager.wait_until_finished()
+    temp_existed = directory.is_dir()
+    if not strategy.extended.should_checkpoint:
+        shutil.rmtree(directory)
     saved = values(model, optimizer)
+    latest = distribute.latest_checkpoint(pathlib.Path(out_dir, "ckpt"))
     model2, optimizer2 = build(strategy)
-    manager2 = distribute.CheckpointManager(distribute.Checkpoint(model=model2, optimizer=optimizer2), pathlib.Path(out_dir, "ckpt"))
-    restored_from = manager2.restore_or_initialize()
+    status = distribute.Checkpoint(model=model2, optimizer=optimizer2).restore(latest)
+    status.assert_consumed()
     restored = values(model2, optimizer2)
-    out = {"path": path, "restored_from": restored_from, "writes": writes, "seen": seen,
+    out = {"path": path, "latest": latest, "temp_existed": temp_existed,
            "equal": all(np.array_equal(a, b) for a, b in zip(restored, saved)),
            "weights": [w.tolist() for w in saved[:4]], "replicas": strategy.num_replicas_in_sync}
     pathlib.Path(out_dir, f"worker{me}.json").write_text(json.dumps(out))
 
 
 @pytest.mark.multiprocess
-def test_multi_worker_only_chief_writes_and_all_restore(tmp_path):
+def test_multi_worker_orbax_checkpoint_restored_by_all(tmp_path):
+    import orbax.checkpoint as ocp
+
     from distribute.launch import launch
 
     env = {"KERAS_BACKEND": "jax", "PYTHONPATH": os.pathsep.join([str(HERE.parents[1] / "src"), os.environ.get("PYTHONPATH", "")])}
     result = launch([str(HERE), str(tmp_path)], 2, 2, env=env, timeout_seconds=LAUNCH_TIMEOUT_SECONDS, echo=False)
     assert result.returncode == 0, result.output[-6000:]
     workers = [json.loads((tmp_path / f"worker{w}.json").read_text()) for w in range(2)]
-    expected = str(tmp_path / "ckpt" / "ckpt-1.npz")
+    expected = str(tmp_path / "ckpt" / "ckpt-1")
     assert [w["replicas"] for w in workers] == [4, 4]
-    assert [w["writes"] for w in workers] == [[expected], []]  # the chief wrote, worker 1 did not
-    assert [w["seen"] for w in workers] == [["ckpt-1.npz"], ["ckpt-1.npz"]]
-    assert os.listdir(tmp_path / "ckpt") == ["ckpt-1.npz"]
-    assert [w["path"] for w in workers] == [expected, expected]
-    assert [w["restored_from"] for w in workers] == [expected, expected]
+    assert [w["path"] for w in workers] == [expected, expected]  # one checkpoint, the chief's
+    assert [w["latest"] for w in workers] == [expected, expected]
+    assert [w["temp_existed"] for w in workers] == [True, True]
+    assert sorted(os.listdir(tmp_path / "ckpt")) == ["ckpt-1"]  # the non-chief's temporary directory is gone
     assert [w["equal"] for w in workers] == [True, True]
     np.testing.assert_array_equal(np.asarray(workers[0]["weights"][0]), np.asarray(workers[1]["weights"][0]))
-    with np.load(expected) as stored:  # the file holds the trained values
-        np.testing.assert_array_equal(stored["model/0"], np.asarray(workers[0]["weights"][0], np.float32))
+    stored = ocp.StandardCheckpointer().restore(expected)  # a user's own orbax code reads it
+    assert sorted(stored) == ["model", "optimizer"] and len(stored["model"]) == 4
+    np.testing.assert_array_equal(stored["model"][0], np.asarray(workers[0]["weights"][0], np.float32))
 
 
 if __name__ == "__main__":

@@ -464,3 +464,29 @@ def test_slurm_errors():
         SlurmClusterResolver(jobs={"trainer": 3}, tasks_per_node=1, gpus_per_node=0, env=slurm_env())
     with pytest.raises(ValueError, match="SLURM_PROCID is 'x', which is not an integer"):
         SlurmClusterResolver(env=slurm_env(SLURM_PROCID="x"))
+
+
+# -- which resolver MultiWorkerMirroredStrategy() uses -----------------------------------------------
+SRUN_2_TASKS = {  # what `srun -N1 -n2` sets for rank 1 (the variables the resolver reads)
+    "SLURM_JOB_ID": "42", "SLURM_STEP_ID": "0", "SLURM_PROCID": "1", "SLURM_STEP_NUM_TASKS": "2",
+    "SLURM_STEP_NODELIST": "node[1-2]", "SLURM_STEP_TASKS_PER_NODE": "1(x2)",
+}
+
+
+def test_default_resolver_order_tf_config_then_slurm_then_single_worker():
+    from distribute.cluster import SlurmClusterResolver, TFConfigClusterResolver
+    from distribute.cluster.detect import default_resolver, in_slurm_step
+
+    slurm = default_resolver(dict(SRUN_2_TASKS))
+    assert isinstance(slurm, SlurmClusterResolver) and in_slurm_step(dict(SRUN_2_TASKS))
+    assert slurm.cluster_spec().as_dict() == {"worker": ["node1:8888", "node2:8888"]}
+    assert (slurm.task_type, slurm.task_id) == ("worker", 1)
+
+    tf_config = '{"cluster": {"worker": ["a:1", "b:2"]}, "task": {"type": "worker", "index": 0}}'
+    explicit = default_resolver({**SRUN_2_TASKS, "TF_CONFIG": tf_config})  # TF_CONFIG wins over Slurm
+    assert isinstance(explicit, TFConfigClusterResolver) and explicit.cluster_spec().as_dict() == {"worker": ["a:1", "b:2"]}
+
+    one_task = {**SRUN_2_TASKS, "SLURM_STEP_NUM_TASKS": "1", "SLURM_PROCID": "0"}
+    assert not in_slurm_step(one_task) and not in_slurm_step({"SLURM_JOB_ID": "42"})  # an allocation, not a step
+    alone = default_resolver(one_task)
+    assert isinstance(alone, TFConfigClusterResolver)

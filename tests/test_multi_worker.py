@@ -130,6 +130,17 @@ def _worker(scenario: str, out_dir: str) -> None:
             if step == 3 and me == 1:
                 raise RuntimeError("worker 1 fails on purpose")
         return
+    if scenario in ("exit3", "chief_kill"):
+        victim = 1 if scenario == "exit3" else 0
+        dataset = strategy.experimental_distribute_dataset(Dataset.range(100000).batch(strategy.num_replicas_in_sync))
+        for step, batch in enumerate(dataset):
+            if step == 3 and me == victim:
+                print(f"worker {me} leaves", time.time(), flush=True)
+                if scenario == "exit3":
+                    sys.exit(3)
+                os.kill(os.getpid(), signal.SIGKILL)
+            strategy.reduce("SUM", strategy.run(lambda v: v + 1, args=(batch,)), axis=None)
+        return
     if scenario == "kill":
         dataset = strategy.experimental_distribute_dataset(Dataset.range(1000).batch(strategy.num_replicas_in_sync))
         for step, batch in enumerate(dataset):
@@ -283,8 +294,8 @@ def test_lost_worker_is_named_within_timeout(tmp_path):
                 p.kill()
     assert procs[1].returncode == -signal.SIGKILL
     assert procs[0].returncode != 0, out0[-3000:]
-    assert "worker 1 (127.0.0.1:" in out0, out0[-3000:]
-    assert "lost worker 1" in out0 or "worker 1 (127.0.0.1:" in out0
+    assert "lost worker 1 (127.0.0.1:" in out0, out0[-3000:]  # by its heartbeat, or inside the step by gloo's closed connection
+    assert procs[0].returncode == 75
     stamp = next(float(line.split()[-1]) for line in out0.splitlines() if line.startswith("step 3 done"))
     assert ended - stamp < timeout + 5, ended - stamp  # within the timeout (+ the watchdog's period)
 
@@ -302,6 +313,56 @@ def test_an_exception_on_one_worker_stops_the_job_within_seconds(tmp_path):
     assert result.failed_task is not None and "worker 1" in str(result.failed_task), result.output[-3000:]
     assert "worker 1 fails on purpose" in result.output
     assert time.time() - started < 40, result.output[-3000:]
+
+
+def _launch_failing(scenario, tmp_path, timeout=4):
+    from distribute.launch import launch
+
+    env = {"KERAS_BACKEND": "jax", "MW_TIMEOUT": str(timeout),
+           "PYTHONPATH": os.pathsep.join([str(HERE.parents[1] / "src"), os.environ.get("PYTHONPATH", "")])}
+    started = time.time()
+    result = launch([str(HERE), scenario, str(tmp_path)], 2, 1, env=env, timeout_seconds=60, grace_seconds=10, echo=False)
+    return result, time.time() - started
+
+
+def test_sys_exit_3_on_one_worker_ends_the_job_naming_it(tmp_path):
+    """sys.exit(3) after the strategy was created: no wait at jax.distributed's shutdown barrier."""
+    result, seconds = _launch_failing("exit3", tmp_path)
+    assert not result.timed_out and result.returncode == 3, result.output[-3000:]
+    assert result.failed_task == "worker 1" and result.exit_codes["worker 1"] == 3
+    assert "worker 1 (127.0.0.1:" in result.task_output("worker", 1) and "exits with status 3" in result.output
+    assert seconds < 40, result.output[-3000:]
+
+
+def test_the_chief_dying_inside_a_step_stops_the_job_naming_it(tmp_path):
+    """The launcher names the chief; the survivor stops within seconds, either naming the chief (its
+    collective's connection closed) or ended first by jaxlib's coordination client (the chief hosted
+    the coordination service): see the README's multi-worker section."""
+    result, seconds = _launch_failing("chief_kill", tmp_path)
+    assert result.failed_task == "worker 0" and result.exit_codes["worker 0"] == -signal.SIGKILL, result.output[-3000:]
+    assert "[launch] worker 0 was killed by SIGKILL" in result.output
+    survivor = result.task_output("worker", 1)
+    assert result.exit_codes["worker 1"] != 0
+    assert "lost worker 0 (127.0.0.1:" in survivor or "Terminating process because the JAX distributed service" in survivor \
+        or result.exit_codes["worker 1"] == -signal.SIGTERM, survivor[-3000:]
+    assert seconds < 40
+
+
+def test_a_worker_whose_peer_never_starts_fails_within_the_timeout_naming_it(tmp_path):
+    """Only worker 1 of a 2-worker cluster starts: it stops after the timeout, naming worker 0, not jaxlib's fatal error."""
+    from distribute.launch import build_cluster, task_environment
+
+    timeout = 3
+    env = {**os.environ, "KERAS_BACKEND": "jax", "MW_TIMEOUT": str(timeout),
+           "PYTHONPATH": os.pathsep.join([str(HERE.parents[1] / "src"), os.environ.get("PYTHONPATH", "")])}
+    started = time.time()
+    done = subprocess.run([sys.executable, "-u", str(HERE), "data", str(tmp_path)], env=task_environment(env, build_cluster(2), "worker", 1, 1),
+                          capture_output=True, text=True, timeout=60)
+    seconds = time.time() - started
+    assert done.returncode == 75, done.stderr[-3000:]
+    assert "the cluster did not form within 3 s" in done.stderr and "worker 0 (127.0.0.1:" in done.stderr
+    assert "Terminating process" not in done.stderr
+    assert seconds < 2 * timeout + 15
 
 
 def test_main_job_under_the_launcher(tmp_path):

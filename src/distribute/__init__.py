@@ -14,7 +14,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from distribute._backend import require_jax_backend as _require_jax_backend
+from distribute._backend import require_jax_backend_at_import as _require_jax_backend
 
 _require_jax_backend()
 
@@ -28,6 +28,7 @@ _EXPORTS = {
     "BackupAndRestore": "distribute.keras_support.backup",
     "Checkpoint": "distribute.checkpoint",
     "CheckpointManager": "distribute.checkpoint",
+    "latest_checkpoint": "distribute.checkpoint",
     "InputContext": "distribute.input",
     "InputOptions": "distribute.input",
     "InputReplicationMode": "distribute.input",

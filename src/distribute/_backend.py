@@ -33,3 +33,23 @@ def require_jax_backend() -> None:
             "Unset KERAS_BACKEND or set it to 'jax'."
         )
     os.environ["KERAS_BACKEND"] = "jax"
+
+
+def _started_as_command() -> bool:
+    """Whether this process is ``python -m distribute ...`` or the ``jax-distribute`` script, still starting.
+
+    While ``python -m`` imports the package of the module it runs, ``sys.argv[0]`` is ``"-m"``.
+    """
+    first = sys.argv[0] if sys.argv else ""
+    return first == "-m" or os.path.basename(first) == "jax-distribute"
+
+
+def require_jax_backend_at_import() -> None:
+    """``require_jax_backend()``; for the command line, its error is one line on stderr and exit status 2."""
+    try:
+        require_jax_backend()
+    except RuntimeError as err:
+        if not _started_as_command():
+            raise
+        sys.stderr.write(f"python -m distribute: error: {err}\n")
+        raise SystemExit(2) from None

@@ -84,3 +84,13 @@ def leave_replica() -> Iterator[None]:
         yield
     finally:
         _STATE.reset(token)
+
+
+@contextlib.contextmanager
+def outside_scope() -> Iterator[None]:
+    """Runs the block as if no strategy scope were entered (variables made there are plain, local ones)."""
+    token = _STATE.set(_State())
+    try:
+        yield
+    finally:
+        _STATE.reset(token)

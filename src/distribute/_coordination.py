@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import logging
 import os
 import sys
 import threading
@@ -18,6 +19,9 @@ from typing import Any
 
 import jax
 import numpy as np
+
+logger = logging.getLogger("distribute")
+EXIT_WORKER_LOST = 75  # a worker that stops because another one was lost (EX_TEMPFAIL: relaunch)
 
 
 class WorkerLostError(RuntimeError):
@@ -112,24 +116,92 @@ def _join(cluster: _Cluster, timeout_seconds: float) -> Any:
     state.client = _jax.get_distributed_runtime_client(
         cluster.coordinator,
         cluster.worker_id,
-        init_timeout=seconds,
+        init_timeout=backstop,  # jaxlib ends the process itself at its timeout; the timer below names the worker first
         shutdown_timeout=seconds,
         heartbeat_timeout=backstop,
         use_compression=True,
     )
+    never_joined = threading.Timer(seconds, _never_joined, args=(cluster, seconds))
+    never_joined.daemon = True
+    never_joined.start()
     try:
         state.client.connect()
-    except Exception as err:  # noqa: BLE001 - jaxlib raises its own runtime error type
+    except Exception as err:
         raise WorkerLostError(
-            f"worker {cluster.worker_id} could not join the cluster within {seconds} s: "
-            f"{_missing_text(cluster, range(cluster.num_workers))} did not all connect to the "
+            f"{cluster.names[cluster.worker_id]} could not join the cluster within {seconds} s: "
+            f"{_missing_text(cluster, range(cluster.num_workers))} did not connect to the "
             f"coordinator at {cluster.coordinator} ({err}). Start every worker, or raise "
             "CommunicationOptions.timeout_seconds."
         ) from err
+    finally:
+        never_joined.cancel()
     state.initialize_preemption_sync_manager()
-    _Watchdog(state.client, cluster, timeout_seconds).start()
+    watchdog = _Watchdog(state.client, cluster, timeout_seconds)
+    watchdog.start()
     _fail_fast_on_unhandled_exceptions(cluster)
+    _fail_fast_on_exit(cluster, watchdog)
     return state.client
+
+
+def _never_joined(cluster: _Cluster, seconds: int) -> None:
+    """Runs when the cluster has not formed within the timeout (the main thread is blocked inside jaxlib)."""
+    role = ("it hosts the coordination service and" if cluster.worker_id == 0
+            else f"the coordinator at {cluster.coordinator} or")
+    _stop_now(
+        f"MultiWorkerMirroredStrategy on {cluster.names[cluster.worker_id]}: the cluster did not form within "
+        f"{seconds} s (CommunicationOptions.timeout_seconds): {role} "
+        f"{_missing_text(cluster, range(cluster.num_workers))} never joined. Start every worker "
+        "(same TF_CONFIG cluster, reachable addresses), or raise the timeout.",
+        EXIT_WORKER_LOST,
+    )
+
+
+def _stop_now(message: str, code: int) -> None:
+    """Logs ``message`` and ends this process at once (a blocked collective cannot be interrupted)."""
+    logger.error(message)
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001
+            pass
+    os._exit(code)
+
+
+class _ExitStatus:
+    """Records the status given to ``sys.exit`` (Python does not expose it to atexit handlers)."""
+
+    code: int = 0
+
+    @classmethod
+    def install(cls) -> None:
+        real_exit = sys.exit
+
+        def exit(status: Any = None) -> None:
+            cls.code = 0 if status is None else (status if isinstance(status, int) else 1)
+            real_exit(status)
+
+        exit.__doc__ = real_exit.__doc__
+        sys.exit = exit
+
+
+def _fail_fast_on_exit(cluster: _Cluster, watchdog: _Watchdog) -> None:
+    """A worker that calls ``sys.exit(N)`` with N != 0 leaves at once and tells the others.
+
+    Without this it waits at jax.distributed's shutdown barrier for workers that
+    are themselves blocked in a step with it: the job never ends.  Its
+    heartbeat key says ``failed:N``, so every other worker stops within a
+    heartbeat period naming it (and the launcher names it from its exit status).
+    """
+    _ExitStatus.install()
+
+    def at_exit() -> None:
+        code = _ExitStatus.code
+        if code == 0:
+            return
+        watchdog.stop(f"failed:{code}")
+        _stop_now(f"{cluster.names[cluster.worker_id]} exits with status {code}; the other workers stop too.", code)
+
+    atexit.register(at_exit)  # after the watchdog's own handler, so it runs first
 
 
 def _fail_fast_on_unhandled_exceptions(cluster: _Cluster) -> None:
@@ -142,15 +214,20 @@ def _fail_fast_on_unhandled_exceptions(cluster: _Cluster) -> None:
     previous = sys.excepthook
 
     def hook(exc_type, exc, tb):
+        text = str(exc)
+        if "Gloo" in text and ("reset by peer" in text or "closed" in text or "Read error" in text or "EOF" in text):
+            # A peer's process ended inside a collective: gloo's message has an address, not a worker.
+            peers = [w for w in range(cluster.num_workers) if w != cluster.worker_id]
+            which = _missing_text(cluster, peers) if len(peers) == 1 else f"one of {_missing_text(cluster, peers)}"
+            _stop_now(
+                f"MultiWorkerMirroredStrategy on {cluster.names[cluster.worker_id]}: lost {which} inside a step: "
+                f"its connection closed ({text.splitlines()[0][:200]}); the worker died. Stopping this worker "
+                "too; restart the job (BackupAndRestore resumes from the last backup).",
+                EXIT_WORKER_LOST,
+            )
         previous(exc_type, exc, tb)
-        print(
-            f"[distribute] {cluster.names[cluster.worker_id]} stops on an unhandled {exc_type.__name__}; "
-            "the other workers will stop too.",
-            file=sys.stderr,
-        )
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(1)
+        _stop_now(f"{cluster.names[cluster.worker_id]} stops on an unhandled {exc_type.__name__}; "
+                  "the other workers will stop too.", 1)
 
     sys.excepthook = hook
 
@@ -172,11 +249,11 @@ class _Watchdog(threading.Thread):
         self._stopped = threading.Event()
         atexit.register(self.stop)
 
-    def stop(self) -> None:
+    def stop(self, final: str = "exited") -> None:
         if not self._stopped.is_set():
             self._stopped.set()
             try:
-                self._client.key_value_set(self._key(self._cluster.worker_id), "exited", allow_overwrite=True)
+                self._client.key_value_set(self._key(self._cluster.worker_id), final, allow_overwrite=True)
             except Exception:  # noqa: BLE001 - the service may be gone already
                 pass
 
@@ -200,9 +277,9 @@ class _Watchdog(threading.Thread):
                     self._fail([0], f"the coordination service on it does not answer ({err})")
                 continue
             for w, value in values.items():
-                if value == "exited":
-                    last[w] = (value, now)
-                elif value != last[w][0]:
+                if value is not None and value.startswith("failed:") and not self._stopped.is_set():
+                    self._fail([w], f"it exited with status {value.split(':', 1)[1]}")
+                elif value == "exited" or value != last[w][0]:
                     last[w] = (value, now)
                 elif now - last[w][1] > self._timeout and not self._stopped.is_set():
                     self._fail([w], f"it sent no heartbeat for {self._timeout:g} s")
@@ -210,21 +287,20 @@ class _Watchdog(threading.Thread):
     def _try_get(self, key: str) -> str | None:
         try:
             return self._client.key_value_try_get(key)
-        except Exception as err:  # noqa: BLE001 - NOT_FOUND before the first beat
+        except Exception as err:
             if "NOT_FOUND" in str(err) or "not found" in str(err).lower():
                 return None
             raise
 
     def _fail(self, lost: list[int], why: str) -> None:
         cluster = self._cluster
-        sys.stderr.write(
-            f"\nMultiWorkerMirroredStrategy on {cluster.names[cluster.worker_id]}: lost "
+        _stop_now(
+            f"MultiWorkerMirroredStrategy on {cluster.names[cluster.worker_id]}: lost "
             f"{_missing_text(cluster, lost)}: {why} (CommunicationOptions.timeout_seconds="
-            f"{self._timeout:g}); the worker died or hangs. Stopping this worker too; restart the "
-            "job (BackupAndRestore resumes from the last backup).\n"
+            f"{self._timeout:g}). Stopping this worker too; restart the "
+            "job (BackupAndRestore resumes from the last backup).",
+            EXIT_WORKER_LOST,
         )
-        sys.stderr.flush()
-        os._exit(75)
 
 
 class _Exchange:
@@ -250,7 +326,7 @@ class _Exchange:
             remaining_ms = max(int((deadline - time.monotonic()) * 1000), 1)
             try:
                 out.append(self._client.blocking_key_value_get_bytes(f"{key}/{w}", remaining_ms))
-            except Exception as err:  # noqa: BLE001 - jaxlib's runtime error
+            except Exception as err:
                 missing = [v for v in range(w, cluster.num_workers) if v != cluster.worker_id and not self._has(f"{key}/{v}")]
                 raise WorkerLostError(
                     f"{_missing_text(cluster, missing or [w])} did not reach {what} within "

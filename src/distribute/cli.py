@@ -35,7 +35,10 @@ STRATEGY_HELP = (
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from distribute import __version__
+
     parser = _Parser(prog="python -m distribute", description="tf.distribute on JAX: the main job.")
+    parser.add_argument("--version", action="version", version=f"jax-distribute {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser, metavar="COMMAND")
     train = commands.add_parser(
         "train",

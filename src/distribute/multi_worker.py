@@ -218,8 +218,9 @@ class MultiWorkerMirroredStrategy(Strategy):
     batch of 8 rows gives worker 0 rows 0-3 and worker 1 rows 4-7.
 
     Args:
-        cluster_resolver: where the cluster comes from; default
-            ``TFConfigClusterResolver()`` (no TF_CONFIG: one local worker, as TF).
+        cluster_resolver: where the cluster comes from; default: TF_CONFIG when
+            set, else the tasks of the Slurm step this process runs in (as
+            ``jax.distributed``), else one local worker (as TF with no TF_CONFIG).
         communication_options: a :class:`CommunicationOptions` (timeouts).
 
     Raises:
@@ -236,15 +237,17 @@ class MultiWorkerMirroredStrategy(Strategy):
     _extended_cls = MultiWorkerExtended
 
     def __init__(self, cluster_resolver: Any = None, communication_options: CommunicationOptions | None = None):
-        from distribute.cluster import TFConfigClusterResolver
+        from distribute.cluster.detect import default_resolver
+        from distribute.keras_support import saving
         from distribute.keras_support.hooks import install
 
         install()
+        saving.install()
         if communication_options is None:
             communication_options = CommunicationOptions()
         if not isinstance(communication_options, CommunicationOptions):
             raise ValueError(f"communication_options must be a CommunicationOptions, got {communication_options!r}.")
-        resolver = cluster_resolver if cluster_resolver is not None else TFConfigClusterResolver()
+        resolver = cluster_resolver if cluster_resolver is not None else default_resolver()
         cluster = _read_cluster(resolver)
         timeout = communication_options.effective_timeout_seconds
         self._communication_options = communication_options

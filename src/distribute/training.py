@@ -33,8 +33,14 @@ def load_data(path: str | None, seed: int) -> tuple[np.ndarray, np.ndarray, np.n
             negative labels, or do not fit together.
     """
     if path is None:
-        from sklearn.datasets import load_digits
-        from sklearn.model_selection import train_test_split
+        try:
+            from sklearn.datasets import load_digits
+            from sklearn.model_selection import train_test_split
+        except ImportError as err:
+            raise JobError(
+                f"the embedded digits need scikit-learn ({err}); install the main job's extras "
+                "(pip install '.[examples]', or pip install 'jax-distribute[examples]'), or pass --data PATH.npz."
+            ) from err
 
         digits = load_digits()
         x = (digits.data / 16.0).astype(np.float32)
@@ -333,7 +339,13 @@ def _write_outputs(output: Path, model: Any, history: dict, args: argparse.Names
 
 def plot_history(history: dict, path: Path) -> None:
     """Writes a two-panel PNG: loss and accuracy per epoch, train and test."""
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError as err:
+        raise JobError(
+            f"curves.png needs matplotlib ({err}); install the main job's extras "
+            "(pip install '.[examples]', or pip install 'jax-distribute[examples]')."
+        ) from err
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

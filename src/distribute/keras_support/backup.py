@@ -8,9 +8,9 @@ leaves weights that do not match the recorded epoch, or a truncated file.
 
 This subclass keeps Keras' arguments and behaviour (resume at the epoch after
 the last backup; the backup is deleted when ``fit`` ends) and changes the
-storage: each backup is ONE file (model and optimizer variables plus the epoch)
-written by the chief only, atomically, through :mod:`distribute.checkpoint`;
-every worker then meets the others at a barrier, and on a restart every worker
+storage: each backup is ONE orbax checkpoint (model and optimizer variables plus
+the epoch) committed atomically and written asynchronously through
+:mod:`distribute.checkpoint` (the chief writes the files), and on a restart every worker
 reads the same file and puts the values back with the current strategy's
 placement (so a job may even resume with another number of replicas).
 """
@@ -23,12 +23,8 @@ from typing import Any
 
 import keras
 
-from distribute.checkpoint import (
-    Checkpoint,
-    CheckpointManager,
-    _strategy_of,
-    _UnreadableCheckpointError,
-)
+from distribute.checkpoint import Checkpoint, CheckpointManager, UnreadableCheckpointError
+from distribute.checkpoint._state import strategy_of
 
 _NAME = "backup"
 
@@ -42,7 +38,7 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
     optimizer's variables as they were then.
 
     Args:
-        backup_dir: directory for the backup files (``backup-N.npz``); used by
+        backup_dir: directory for the backups (``backup-N`` orbax checkpoints); used by
             this callback only.
         save_freq: ``"epoch"`` (back up at the end of every epoch) or an
             integer number of batches.  As Keras 3, a restart resumes at the
@@ -62,11 +58,16 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
 
     def _manager(self) -> CheckpointManager:
         model = self.model
+        cached = getattr(self, "_backup_manager", None)
+        if cached is not None and cached[0] is model and cached[1] is getattr(model, "optimizer", None):
+            return cached[2]
         objects = {"model": model}
         if getattr(model, "optimizer", None) is not None:
             objects["optimizer"] = model.optimizer
-        return CheckpointManager(Checkpoint(**objects), self.backup_dir,
-                                 max_to_keep=2 if self.double_checkpoint else 1, checkpoint_name=_NAME)
+        manager = CheckpointManager(Checkpoint(**objects), self.backup_dir,
+                                    max_to_keep=2 if self.double_checkpoint else 1, checkpoint_name=_NAME)
+        self._backup_manager = (model, getattr(model, "optimizer", None), manager)
+        return manager
 
     def on_train_begin(self, logs: Any = None) -> None:
         self._load_model()
@@ -83,11 +84,11 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
         for position, path in enumerate(candidates):
             try:
                 status = manager.checkpoint.restore(path)
-            except _UnreadableCheckpointError:
+            except UnreadableCheckpointError:
                 if position + 1 < len(candidates):
                     continue  # double_checkpoint: fall back to the previous backup
                 raise
-            self._current_epoch = int(status._extra.get("epoch", 0))
+            self._current_epoch = int(status.extra.get("epoch", 0))
             model._initial_epoch = self._current_epoch
             return
 
@@ -96,8 +97,9 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
 
     def on_train_end(self, logs: Any = None) -> None:
         self._model._initial_epoch = None  # a later fit() starts where it is told again
+        self._manager().wait_until_finished()  # the last backup is on disk before anything is deleted
         if not self.delete_checkpoint:
             return
-        strategy = _strategy_of(list(self.model.variables))
+        strategy = strategy_of(list(self.model.variables))
         if strategy.extended.should_checkpoint:
             shutil.rmtree(self.backup_dir, ignore_errors=True)

@@ -1,0 +1,33 @@
+"""Which cluster resolver ``MultiWorkerMirroredStrategy()`` uses when given none.
+
+Order (documented in the README): an explicit resolver; ``TF_CONFIG`` when it is
+set; a Slurm step of several tasks (``SLURM_STEP_ID``, ``SLURM_PROCID`` and
+``SLURM_STEP_NUM_TASKS`` > 1, as ``srun`` sets them, the way ``jax.distributed``
+detects Slurm); else one local worker (TF's ``TFConfigClusterResolver`` with no
+TF_CONFIG).
+"""
+
+from __future__ import annotations
+
+from collections.abc import MutableMapping
+
+from distribute.cluster import _env
+from distribute.cluster.resolver import ClusterResolver
+
+
+def in_slurm_step(environ: MutableMapping[str, str] | None = None) -> bool:
+    """Whether this process is one task of a Slurm step with several tasks."""
+    tasks = _env.read("SLURM_STEP_NUM_TASKS", environ)
+    return (_env.read("SLURM_STEP_ID", environ) is not None and _env.read("SLURM_PROCID", environ) is not None
+            and tasks is not None and tasks.isdigit() and int(tasks) > 1)
+
+
+def default_resolver(environ: MutableMapping[str, str] | None = None) -> ClusterResolver:
+    """TFConfigClusterResolver when TF_CONFIG is set, SlurmClusterResolver inside a multi-task Slurm step, else a one-worker TFConfigClusterResolver."""
+    from distribute.cluster.slurm import SlurmClusterResolver
+    from distribute.cluster.tfconfig_resolver import TFConfigClusterResolver
+
+    if _env.tf_config_text(environ) is None and in_slurm_step(environ):
+        return SlurmClusterResolver(env=environ)
+    text = _env.tf_config_text(environ)
+    return TFConfigClusterResolver() if environ is None or text is None else TFConfigClusterResolver.from_tf_config(text)
