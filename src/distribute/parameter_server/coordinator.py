@@ -97,6 +97,7 @@ class ClusterCoordinator:
                 )
             if isinstance(leaf, PerWorkerDistributedIterator):
                 el_treedef, specs = leaf._spec()
+                specs = [(tuple(shape), np.dtype(jax.dtypes.canonicalize_dtype(np.dtype(dtype)))) for shape, dtype in specs]
                 kinds.append(program.ITER)
                 iter_specs.append((leaf._resource_id, el_treedef, specs))
                 key_parts.append(("iter", leaf._resource_id, el_treedef, tuple(map(tuple, specs))))
