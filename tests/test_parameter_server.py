@@ -31,8 +31,12 @@ def two_by_two(ray_instance):
 
 @pytest.fixture(scope="module")
 def one_worker(ray_instance):
-    """1 worker, 2 ps: updates are applied in order, so training equals one device's."""
-    strategy = distribute.ParameterServerStrategy(num_workers=1, num_ps=2)
+    """1 worker, 2 ps: updates are applied in order, so training equals one device's.
+
+    Variables of 128 bytes and more are split in 2 (the small linear model's are not).
+    """
+    partitioner = distribute.experimental.partitioners.MinSizePartitioner(min_shard_bytes=128, max_shards=2)
+    strategy = distribute.ParameterServerStrategy(num_workers=1, num_ps=2, variable_partitioner=partitioner)
     yield strategy, ClusterCoordinator(strategy)
     strategy._shutdown()
 
@@ -220,12 +224,17 @@ def _linear_data():
     return x, y
 
 
-def _custom_loop(strategy, coordinator, optimizer_fn, steps):
+def _model(hidden):
+    layers = [keras.layers.Dense(hidden, activation="tanh")] if hidden else []
+    return keras.Sequential([keras.Input((4,)), *layers, keras.layers.Dense(1)])
+
+
+def _custom_loop(strategy, coordinator, optimizer_fn, steps, hidden=0):
     """TF's parameter_server_training tutorial loop, ported by substitution."""
     x, y = _linear_data()
     with strategy.scope():
         keras.utils.set_random_seed(1)
-        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+        model = _model(hidden)
         optimizer = optimizer_fn()
         loss_metric = keras.metrics.Mean()
 
@@ -251,10 +260,10 @@ def _custom_loop(strategy, coordinator, optimizer_fn, steps):
     return model, optimizer, loss_metric, losses
 
 
-def _one_device(optimizer_fn, steps):
+def _one_device(optimizer_fn, steps, hidden=0):
     x, y = _linear_data()
     keras.utils.set_random_seed(1)
-    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    model = _model(hidden)
     optimizer = optimizer_fn()
     for k in range(steps):
         bx, by = x[(k % 8) * 8 : (k % 8) * 8 + 8], y[(k % 8) * 8 : (k % 8) * 8 + 8]
@@ -287,3 +296,39 @@ def test_custom_loop_two_workers_converges(two_by_two):
     np.testing.assert_allclose(bias, [0.7], atol=0.02)
     assert int(optimizer.iterations.numpy()) == 300  # every step applied exactly once
     assert float(losses[-1].fetch()) < 1e-3
+
+
+def test_partitioned_variables_are_split_over_ps_and_train_as_one_device(one_worker, ray_instance):
+    # Dense(16)'s kernel (4, 16) float32 is 256 bytes: 2 shards of 2 rows ("div"), one per ps, round-robin;
+    # its Adam slots are split the same way, and training equals one device.
+    strategy, coordinator = one_worker
+    adam = lambda: keras.optimizers.Adam(0.05)  # noqa: E731
+    model, optimizer, _, _ = _custom_loop(strategy, coordinator, adam, 16, hidden=16)
+    registry = strategy.extended._registry
+    kernel = model.layers[0].kernel
+    shards = registry.entry(kernel).shards
+    assert [(s.start, s.stop) for s in shards] == [(0, 2), (2, 4)]
+    assert sorted(s.ps for s in shards) == [0, 1]
+    slot = next(v for v in optimizer.variables if tuple(v.shape) == (4, 16))
+    assert [(s.ps, s.start) for s in registry.entry(slot).shards] == [(s.ps, s.start) for s in shards]
+    stored = {}
+    for part in ray_instance.get([ps.read_all.remote() for ps in strategy.extended._cluster.ps]):
+        stored.update(part)
+    np.testing.assert_array_equal(np.concatenate([stored[s.key] for s in shards]), kernel.numpy())
+    reference = _one_device(adam, 16, hidden=16)
+    for got, want in zip(model.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    # A coordinator-side assign (a checkpoint restore) is split into the shards on the ps.
+    kernel.assign(np.arange(64, dtype=np.float32).reshape(4, 16))
+    coordinator.join()
+    np.testing.assert_array_equal(kernel.numpy(), np.arange(64, dtype=np.float32).reshape(4, 16))
+
+
+def test_keras_fit_is_refused_with_the_alternative(one_worker):
+    strategy, _ = one_worker
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+        model.compile(optimizer="sgd", loss="mse")
+    x, y = _linear_data()
+    with pytest.raises(NotImplementedError, match="ClusterCoordinator"):
+        model.fit(x, y, epochs=1, steps_per_epoch=2)

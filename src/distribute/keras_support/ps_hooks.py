@@ -81,6 +81,10 @@ def install() -> None:
     _patch(JaxVariable, "_direct_assign", _direct_assign)
     _patch(BaseOptimizer, "add_variable_from_reference", _add_variable_from_reference)
     _patch(BaseOptimizer, "apply", _optimizer_apply)
+    from keras.src.backend.jax.trainer import JAXTrainer
+
+    for name in ("fit", "evaluate", "predict"):
+        _patch(JAXTrainer, name, functools.partial(_refuse_under_ps, name=name))
     _INSTALLED.append(True)
 
 
@@ -162,6 +166,21 @@ def _optimizer_apply(original):
         return None
 
     return apply
+
+
+def _refuse_under_ps(original, name: str):
+    def method(self, *args, **kwargs):
+        strategy = self.__dict__.get("_distribute_strategy")
+        if getattr(strategy, "_should_use_with_coordinator", False):
+            raise NotImplementedError(
+                f"Model.{name} under ParameterServerStrategy is not supported yet. Train with a custom loop: "
+                "schedule a step function with distribute.coordinator.ClusterCoordinator(strategy).schedule(step, "
+                "args=(iter(coordinator.create_per_worker_dataset(dataset_fn)),)), then coordinator.join() "
+                "(see the README's parameter-server section)."
+            )
+        return original(self, *args, **kwargs)
+
+    return method
 
 
 @contextlib.contextmanager

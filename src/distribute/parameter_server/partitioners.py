@@ -89,7 +89,7 @@ class MaxSizePartitioner(Partitioner):
     def __init__(self, max_shard_bytes: int, max_shards: int | None = None, bytes_per_string: int = 16):
         if max_shard_bytes < 1:
             raise ValueError(f"Argument `max_shard_bytes` must be positive. Received {max_shard_bytes}")
-        if max_shards is not None and max_shards < 1:
+        if max_shards and max_shards < 1:  # TF accepts max_shards=0 (as no cap)
             raise ValueError(f"Argument `max_shards` must be positive. Received {max_shards}")
         if bytes_per_string < 1:
             raise ValueError(f"Argument `bytes_per_string` must be positive. Received: {bytes_per_string}")
@@ -108,7 +108,7 @@ class MaxSizePartitioner(Partitioner):
         bytes_per_slice = math.prod(shape) / rows * _item_bytes(dtype, self._bytes_per_string)
         slices_per_shard = max(1, math.floor(self._max_shard_bytes / bytes_per_slice))
         shards = math.ceil(rows / slices_per_shard)
-        if self._max_shards is not None:
+        if self._max_shards:
             shards = min(shards, self._max_shards)
         result = [1] * len(shape)
         result[axis] = shards

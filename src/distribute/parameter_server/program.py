@@ -19,6 +19,7 @@ then, as TF creates slots at trace time, and retraced with.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 from typing import Any, Callable
@@ -248,8 +249,18 @@ def _apply_programs(registry, optimizer, variables, positions, j, need) -> list:
             )
     if not subset:
         return []
-    owned: dict[int, Any] = {}
+    # Seed the discovery with what an update reads (the variables, their slots, the step counter
+    # and learning rate), so that the first trace already sees this ps's rows of partitioned ones.
+    owned: dict[int, Any] = {id(v): v for v in subset}
     foreign: dict[int, Any] = {}
+    for var in optimizer.variables:
+        entry = registry.entry(var)
+        if entry is None:
+            continue
+        if _local(registry, var, j)[0]:
+            owned.setdefault(id(var), var)
+        elif var is optimizer._iterations or var is getattr(optimizer, "_learning_rate", None):
+            foreign[id(var)] = var
     for _ in range(6):
         owned_vars, foreign_vars = list(owned.values()), list(foreign.values())
         written_out: list = []
@@ -260,7 +271,7 @@ def _apply_programs(registry, optimizer, variables, positions, j, need) -> list:
             mapping = {id(v): x for v, x in zip(owned_vars, owned_vals)}
             mapping.update({id(v): x for v, x in zip(foreign_vars, foreign_vals)})
             scope = PSApplyScope(mapping)
-            with without_clipping(optimizer), scope:
+            with without_clipping(optimizer), _row_shapes(registry, owned_vars, j), scope:
                 optimizer.apply(list(grads), subset)
             missing.update(scope.missing)
             outs = []
@@ -296,6 +307,22 @@ def _apply_programs(registry, optimizer, variables, positions, j, need) -> list:
         foreign_keys = tuple(need(v) for v in foreign_vars)
         return [(j, next(_IDS), [ray.put(exported.serialize())], owned_keys, written_keys, foreign_keys, tuple(grad_slices))]
     raise RuntimeError(f"tracing the update of optimizer {optimizer.name!r} for ps {j} did not settle.")  # pragma: no cover
+
+
+@contextlib.contextmanager
+def _row_shapes(registry, variables, j):
+    """While an update is traced for ps ``j``, a partitioned variable has the shape of the rows ``j`` holds."""
+    saved = []
+    for var in variables:
+        aval = _local_aval(registry, var, j)
+        if tuple(aval.shape) != tuple(var.shape):
+            saved.append((var, var._shape))
+            var._shape = tuple(aval.shape)
+    try:
+        yield
+    finally:
+        for var, shape in saved:
+            var._shape = shape
 
 
 def _local_aval(registry, var, j) -> Any:
