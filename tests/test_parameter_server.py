@@ -302,7 +302,7 @@ def test_partitioned_variables_are_split_over_ps_and_train_as_one_device(one_wor
     # Dense(16)'s kernel (4, 16) float32 is 256 bytes: 2 shards of 2 rows ("div"), one per ps, round-robin;
     # its Adam slots are split the same way, and training equals one device.
     strategy, coordinator = one_worker
-    adam = lambda: keras.optimizers.Adam(0.05)  # noqa: E731
+    adam = lambda: keras.optimizers.Adam(0.05)
     model, optimizer, _, _ = _custom_loop(strategy, coordinator, adam, 16, hidden=16)
     registry = strategy.extended._registry
     kernel = model.layers[0].kernel
@@ -332,3 +332,30 @@ def test_keras_fit_is_refused_with_the_alternative(one_worker):
     x, y = _linear_data()
     with pytest.raises(NotImplementedError, match="ClusterCoordinator"):
         model.fit(x, y, epochs=1, steps_per_epoch=2)
+
+
+def test_dataset_creator_and_distributed_datasets_from_function(two_by_two):
+    # TF: every worker's dataset_fn gets InputContext(num_input_pipelines=1, input_pipeline_id=0).
+    strategy, coordinator = two_by_two
+
+    def dataset_fn(input_context):
+        assert (input_context.num_input_pipelines, input_context.input_pipeline_id) == (1, 0)
+        return Dataset.from_tensor_slices(np.arange(6, dtype=np.float32)).repeat().batch(3)
+
+    for source in (distribute.DatasetCreator(dataset_fn), strategy.distribute_datasets_from_function(dataset_fn)):
+        iterator = iter(coordinator.create_per_worker_dataset(source))
+        result = coordinator.schedule(lambda it: next(it), args=(iterator,))
+        assert result.fetch().tolist() in ([0.0, 1.0, 2.0], [3.0, 4.0, 5.0])
+    with pytest.raises(TypeError, match="must be a `callable`"):
+        distribute.DatasetCreator(3)
+    with pytest.raises(NotImplementedError, match="variable_partitioner"):
+        distribute.ShardedVariable([])
+
+
+def test_cluster_resolver_validation_is_tfs(ray_instance):
+    from distribute.cluster_resolver import ClusterSpec, SimpleClusterResolver
+
+    with pytest.raises(ValueError, match="There must be at least one ps."):
+        distribute.ParameterServerStrategy(SimpleClusterResolver(ClusterSpec({"worker": ["h:1"], "chief": ["h:0"]})))
+    with pytest.raises(ValueError, match="There must be at least one worker."):
+        distribute.ParameterServerStrategy(SimpleClusterResolver(ClusterSpec({"ps": ["h:1"], "chief": ["h:0"]})))

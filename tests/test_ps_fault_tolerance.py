@@ -17,7 +17,11 @@ import pytest
 import distribute
 from distribute.coordinator import ClusterCoordinator
 from distribute.data import Dataset
-from distribute.parameter_server.errors import CancelledError, PSUnavailableError, UnavailableError
+from distribute.parameter_server.errors import (
+    CancelledError,
+    PSUnavailableError,
+    UnavailableError,
+)
 
 pytestmark = pytest.mark.multiprocess
 _BOUND_SECONDS = 120

@@ -37,6 +37,7 @@ _EXPORTS = {
     "MirroredStrategy": "distribute.mirrored",
     "ParameterServerStrategy": "distribute.parameter_server.strategy",
     "DatasetCreator": "distribute.parameter_server.dataset",
+    "ShardedVariable": "distribute.parameter_server.values",
     "MultiWorkerMirroredStrategy": "distribute.multi_worker",
     "TPUStrategy": "distribute.tpu",
     "OneDeviceStrategy": "distribute.mirrored",

@@ -12,7 +12,7 @@ _EXPORTS = {
     "experimental_get_current_worker_index": "distribute.parameter_server.worker_context",
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = sorted(_EXPORTS)  # noqa: PLE0605
 
 
 def __getattr__(name: str) -> Any:

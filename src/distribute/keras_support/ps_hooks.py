@@ -22,7 +22,8 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import jax.numpy as jnp
 from keras.src import backend as keras_backend
@@ -36,7 +37,7 @@ from distribute.tracing import LiftingScope
 _INSTALLED: list[bool] = []
 _COLOCATE: contextvars.ContextVar[Any] = contextvars.ContextVar("distribute_ps_colocate", default=None)
 
-__all__ = ["PSTraceScope", "PSApplyScope", "install", "initialize_all_variables", "without_clipping", "KerasVariable"]
+__all__ = ["KerasVariable", "PSApplyScope", "PSTraceScope", "initialize_all_variables", "install", "without_clipping"]
 
 
 class PSTraceScope(LiftingScope):

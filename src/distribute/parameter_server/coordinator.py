@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import numpy as np
 
 from distribute.parameter_server.closures import Closure, ClosureQueue, WorkerThread
-from distribute.parameter_server.dataset import PerWorkerDataset, PerWorkerDistributedIterator, pipeline_fn
+from distribute.parameter_server.dataset import (
+    PerWorkerDataset,
+    PerWorkerDistributedIterator,
+    pipeline_fn,
+)
 from distribute.parameter_server.values import PerWorkerValues, RemoteValue
 
 

@@ -5,9 +5,14 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import threading
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
-from distribute.parameter_server.values import PerWorkerValues, RemoteValue, RemoteValueStatus
+from distribute.parameter_server.values import (
+    PerWorkerValues,
+    RemoteValue,
+    RemoteValueStatus,
+)
 
 _RESOURCE_IDS = itertools.count()
 
@@ -150,7 +155,7 @@ class PerWorkerDistributedIterator(PerWorkerValues):
     def __next__(self) -> Any:
         raise NotImplementedError("Iterating over an `AsyncDistributedIterator` is not supported right now.")
 
-    def __iter__(self) -> "PerWorkerDistributedIterator":
+    def __iter__(self) -> PerWorkerDistributedIterator:
         return self
 
 

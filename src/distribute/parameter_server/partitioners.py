@@ -8,7 +8,8 @@ only, with TF's "div" rule (``div_split``).
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 

@@ -22,7 +22,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import itertools
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -72,7 +73,7 @@ class _TracedIterator:
         self._treedef, self._specs, self._elements = treedef, specs, elements
         self.count = 0
 
-    def __iter__(self) -> "_TracedIterator":
+    def __iter__(self) -> _TracedIterator:
         return self
 
     def __next__(self) -> Any:

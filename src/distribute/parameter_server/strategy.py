@@ -14,7 +14,8 @@ import contextvars
 import logging
 import threading
 import weakref
-from typing import Any, Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -41,7 +42,7 @@ USED_WITHOUT_COORDINATOR_WARNING = (
 class ParameterServerStrategyExtended(StrategyExtended):
     """The extended half of ParameterServerStrategy: variable placement and the cluster."""
 
-    def __init__(self, strategy: "ParameterServerStrategy", devices: Sequence[jax.Device]):
+    def __init__(self, strategy: ParameterServerStrategy, devices: Sequence[jax.Device]):
         super().__init__(strategy, devices)
         self._registry: VariableRegistry | None = None
         self._cluster: Any = None

@@ -97,3 +97,24 @@ class PerWorkerValues:
 
     def __repr__(self) -> str:
         return f"PerWorkerValues({len(self._values)} workers)"
+
+
+class ShardedVariable:
+    """TF's ``ShardedVariable`` (a list of shard variables acting as one): not built here.
+
+    Under ``ParameterServerStrategy(variable_partitioner=...)`` a Keras variable
+    stays one Keras variable on the coordinator and in scheduled functions; only
+    its storage is split into TF's "div" row shards over the ps (round-robin per
+    shard, slots split alike).  Checkpoints hold the whole value, so they restore
+    into any shard count.
+
+    Raises:
+        NotImplementedError: always, naming that alternative.
+    """
+
+    def __init__(self, variables: Any = None, name: str = "ShardedVariable"):
+        raise NotImplementedError(
+            "ShardedVariable objects are not supported yet. Create the variable inside the scope of "
+            "ParameterServerStrategy(variable_partitioner=...): it stays one Keras variable whose rows are "
+            "stored as shards on the parameter servers (assign/assign_add work on it as a whole)."
+        )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from typing import Iterator
+from collections.abc import Iterator
 
 _WORKER_INDEX: contextvars.ContextVar[int | None] = contextvars.ContextVar("distribute_ps_worker_index", default=None)
 
