@@ -36,6 +36,9 @@ _EXPORTS = {
     "compute_average_loss": "distribute.losses",
     "scale_regularization_loss": "distribute.losses",
     "MirroredStrategy": "distribute.mirrored",
+    "ParameterServerStrategy": "distribute.parameter_server.strategy",
+    "DatasetCreator": "distribute.parameter_server.dataset",
+    "ShardedVariable": "distribute.parameter_server.values",
     "MultiWorkerMirroredStrategy": "distribute.multi_worker",
     "TPUStrategy": "distribute.tpu",
     "OneDeviceStrategy": "distribute.mirrored",
@@ -48,7 +51,7 @@ _EXPORTS = {
     "has_strategy": "distribute.strategy",
     "in_cross_replica_context": "distribute.strategy",
 }
-_SUBMODULES = {"data", "cluster_resolver", "experimental"}
+_SUBMODULES = {"data", "cluster_resolver", "coordinator", "experimental"}
 
 __all__ = sorted([*_EXPORTS, *_SUBMODULES])
 

@@ -11,14 +11,20 @@ _EXPORTS = {
     "MultiWorkerMirroredStrategy": "distribute.multi_worker",
     "CollectiveCommunication": "distribute.multi_worker",
     "TPUStrategy": "distribute.tpu",
+    "ParameterServerStrategy": "distribute.parameter_server.strategy",
     "ValueContext": "distribute.strategy",
 }
 _ALIASES = {"CollectiveCommunication": "CommunicationImplementation"}
+_SUBMODULES = {"partitioners": "distribute.parameter_server.partitioners", "coordinator": "distribute.coordinator"}
 
-__all__ = sorted(_EXPORTS)
+__all__ = sorted([*_EXPORTS, *_SUBMODULES])
 
 
 def __getattr__(name: str) -> Any:
+    if name in _SUBMODULES:
+        value = importlib.import_module(_SUBMODULES[name])
+        globals()[name] = value
+        return value
     if name not in _EXPORTS:
         raise AttributeError(f"module 'distribute.experimental' has no attribute {name!r}")
     value = getattr(importlib.import_module(_EXPORTS[name]), _ALIASES.get(name, name))

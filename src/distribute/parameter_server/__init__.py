@@ -1,0 +1,10 @@
+"""ParameterServerStrategy and ClusterCoordinator on Ray (asynchronous training).
+
+Modules, top down: ``strategy`` (the Strategy), ``coordinator`` (ClusterCoordinator),
+``closures`` (queue, per-worker threads, failure handling), ``dataset`` (per-worker
+datasets, DatasetCreator), ``program`` (tracing scheduled functions into exported
+programs), ``registry`` (variable placement), ``cluster`` (Ray), ``actors`` (the
+ps and worker processes: JAX and numpy only), ``partitioners``, ``values``
+(RemoteValue, PerWorkerValues), ``errors``.  Ray is imported only when a strategy
+is created (the ``jax-distribute[ps]`` extra).
+"""

@@ -1,0 +1,167 @@
+"""The Ray actors: ``ParameterServer`` (holds variable shards, applies updates) and ``Worker``.
+
+Neither imports Keras or user model code.  Workers run programs the coordinator
+traced and serialized with ``jax.export``; the only user Python they run is a
+``dataset_fn``.  Plans (which variables to pull, where each output goes) are
+plain data built by ``program.py``.
+
+A ps applies each update as it arrives (Ray runs one method of an actor at a
+time, so an update is atomic): optimizer updates run the exported apply program
+on the ps's *current* values and optimizer state; ``deltas`` are added (exact
+totals under asynchrony); ``sets`` overwrite (last writer wins).
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import numpy as np
+
+from distribute.parameter_server.errors import OutOfRangeError
+from distribute.parameter_server.worker_context import worker_index_scope
+
+
+def _load(cache: dict, program_id: int, box: list) -> Any:
+    program = cache.get(program_id)
+    if program is None:
+        import jax
+        import ray
+
+        program = jax.export.deserialize(bytearray(ray.get(box[0])))
+        cache[program_id] = program
+    return program
+
+
+def _rows(parts: list) -> Any:
+    return parts[0] if len(parts) == 1 else np.concatenate(parts, axis=0)
+
+
+class ParameterServer:
+    """Holds variable storage keys -> arrays of one ps task (``/job:ps/replica:0/task:<j>``)."""
+
+    def __init__(self, task_id: int) -> None:
+        self._task_id = task_id
+        self._values: dict[int, np.ndarray] = {}
+        self._programs: dict[int, Any] = {}
+        self._num_updates = 0
+
+    def ping(self) -> int:
+        return self._task_id
+
+    def create(self, values: dict) -> None:
+        for key, value in values.items():
+            self._values[key] = np.asarray(value)
+
+    def read(self, keys: tuple) -> list:
+        return [self._values[k] for k in keys]
+
+    def read_all(self) -> dict:
+        return dict(self._values)
+
+    def num_updates(self) -> int:
+        return self._num_updates
+
+    def update(self, applies: list, deltas: list, sets: list) -> None:
+        """Applies one step's updates: optimizer programs, then additive deltas, then sets."""
+        for program_id, box, owned, written, foreign_vals, grads in applies:
+            program = _load(self._programs, program_id, box)
+            owned_vals = [_rows([self._values[k] for k in keys]) for keys in owned]
+            new_vals = program.call(owned_vals, list(foreign_vals), list(grads))
+            for keys, value in zip(written, new_vals):
+                value = np.asarray(value)
+                start = 0
+                for key in keys:
+                    stop = start + self._values[key].shape[0] if len(keys) > 1 else None
+                    self._values[key] = value if stop is None else value[start:stop]
+                    start = stop or 0
+        for key, delta in deltas:
+            self._values[key] = np.asarray(self._values[key] + np.asarray(delta, self._values[key].dtype))
+        for key, value in sets:
+            self._values[key] = np.asarray(value, self._values[key].dtype)
+        self._num_updates += 1
+
+
+class Worker:
+    """One worker task (``/job:worker/replica:0/task:<i>``): runs scheduled steps."""
+
+    def __init__(self, worker_index: int, ps_handles: list) -> None:
+        self._index = worker_index
+        self._ps = list(ps_handles)
+        self._programs: dict[int, Any] = {}
+        self._iterators: dict[int, Any] = {}
+
+    def ping(self) -> int:
+        return self._index
+
+    def create_iterator(self, resource_id: int, dataset_fn: Any) -> Any:
+        """Builds this worker's dataset with ``dataset_fn()`` and returns its element spec."""
+        import jax
+
+        with worker_index_scope(self._index):
+            dataset = dataset_fn()
+        iterator = iter(dataset)
+        try:
+            first = next(iterator)
+        except StopIteration:
+            self._iterators[resource_id] = iter(())
+            return None
+        self._iterators[resource_id] = itertools.chain([first], iterator)
+        leaves, treedef = jax.tree_util.tree_flatten(first)
+        return treedef, [(tuple(np.shape(x)), np.asarray(x).dtype.str) for x in leaves]
+
+    def run(self, plan: Any, box: list, args: list) -> list:
+        """Pulls the variables ``plan`` reads, runs the step program, pushes its updates.
+
+        Returns the program's results as numpy arrays (copied to the coordinator).
+        """
+        import jax
+        import ray
+
+        program = _load(self._programs, plan.program_id, box)
+        pulls = {j: self._ps[j].read.remote(keys) for j, keys in plan.pull.items() if keys}
+        pulled = {j: dict(zip(plan.pull[j], vals)) for j, vals in zip(pulls, ray.get(list(pulls.values())))}
+        read_vals = [_rows([pulled[j][k] for j, k in keys]) for keys in plan.read]
+        iter_vals = []
+        for resource_id, count, specs in plan.iterators:
+            iterator = self._iterators.get(resource_id)
+            if iterator is None:
+                raise RuntimeError(f"worker {self._index} has no iterator {resource_id}; create it with create_per_worker_dataset.")
+            for _ in range(count):
+                try:
+                    element = next(iterator)
+                except StopIteration:
+                    raise OutOfRangeError(
+                        f"End of sequence: the dataset of worker {self._index} is exhausted. Schedule a fixed number "
+                        "of steps over an infinite dataset (dataset.repeat()), as TF recommends."
+                    ) from None
+                leaves = jax.tree_util.tree_leaves(element)
+                for leaf, (shape, dtype) in zip(leaves, specs):
+                    leaf = np.asarray(leaf)
+                    if leaf.shape != tuple(shape):
+                        raise ValueError(
+                            f"worker {self._index}: a dataset element has shape {leaf.shape}, but the scheduled "
+                            f"function was traced for {tuple(shape)}; every element must have the same shape. "
+                            "Batch with drop_remainder=True (and repeat() the dataset)."
+                        )
+                    iter_vals.append(leaf.astype(dtype, copy=False))
+        outs = program.call(read_vals, iter_vals, list(args))
+        outs = [np.asarray(x) for x in outs]
+        self._push(plan, outs, pulled)
+        return outs[: plan.num_results]
+
+    def _push(self, plan: Any, outs: list, pulled: dict) -> None:
+        import ray
+
+        per_ps: dict[int, tuple[list, list, list]] = {}
+        for j, program_id, box, owned, written, foreign, grad_slices in plan.applies:
+            foreign_vals = [_rows([pulled[p][k] for p, k in keys]) for keys in foreign]
+            grads = [_rows([outs[pos][a:b] for a, b in bounds]) if bounds else outs[pos] for pos, bounds in grad_slices]
+            per_ps.setdefault(j, ([], [], []))[0].append((program_id, box, owned, written, foreign_vals, grads))
+        for kind, targets in ((1, plan.deltas), (2, plan.sets)):
+            for pos, shards in targets:
+                value = outs[pos]
+                for j, key, a, b in shards:
+                    part = value if a is None else value[a:b]
+                    per_ps.setdefault(j, ([], [], []))[kind].append((key, part))
+        ray.get([self._ps[j].update.remote(*lists) for j, lists in per_ps.items()])

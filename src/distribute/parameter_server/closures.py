@@ -1,0 +1,224 @@
+"""The closure queue and the per-worker dispatch threads (TF's ``_CoordinatedClosureQueue`` and ``Worker``).
+
+One thread per worker takes the next closure, runs it on its worker actor with a
+blocking Ray call (so results are on the coordinator as soon as they exist) and
+classifies failures as TF's ``WorkerPreemptionHandler`` does:
+
+=====================================================  ==============================================
+failure                                                what happens
+=====================================================  ==============================================
+a ps actor died (also when a worker's call to it died)  ``PSUnavailableError`` naming the ps, raised by
+                                                       the next schedule/join/done; queued closures
+                                                       cancelled
+this worker's actor died or is restarting              the closure goes back on the queue (any worker
+                                                       may run it: at-least-once), the worker's
+                                                       iterators are rebuilt once Ray restarted it
+the function raised                                    its error, with its own type, raised by the next
+                                                       schedule/join/done; queued closures cancelled
+=====================================================  ==============================================
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from typing import Any
+
+from distribute.parameter_server.errors import (
+    CANCELLED_MESSAGE,
+    CancelledError,
+    ClosureAbortedError,
+    PSUnavailableError,
+    UnavailableError,
+)
+from distribute.parameter_server.values import RemoteValue
+
+_WORKER_RECOVERY_SECONDS = 600.0  # TF waits up to an hour (_WORKER_MAXIMUM_RECOVERY_SEC)
+_PING_SECONDS = 5.0
+
+
+class Closure:
+    """One scheduled function call: its step program, its array arguments, its RemoteValue."""
+
+    def __init__(self, step: Any, args: list, remote_value: RemoteValue):
+        self.step, self.args, self.remote_value = step, args, remote_value
+
+    def cancel(self) -> None:
+        self.remote_value._set_error(CancelledError(CANCELLED_MESSAGE))
+
+
+class ClosureQueue:
+    """Closures waiting to run, the count in flight, and the first error (TF's semantics)."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._queue: collections.deque[Closure] = collections.deque()
+        self._inflight = 0
+        self._error: BaseException | None = None
+        self._stopped = False
+        self.live_workers = 0
+
+    def put(self, closure: Closure) -> None:
+        with self._cond:
+            self._raise_if_error()
+            self._queue.append(closure)
+            self._cond.notify_all()
+
+    def put_check(self) -> None:
+        """Raises (and clears) the pending error, once nothing is in flight (TF: schedule raises it)."""
+        with self._cond:
+            self._raise_if_error()
+
+    def get(self) -> Closure | None:
+        with self._cond:
+            self._cond.wait_for(lambda: self._queue or self._stopped)
+            if self._stopped:
+                return None
+            self._inflight += 1
+            return self._queue.popleft()
+
+    def mark_finished(self) -> None:
+        with self._cond:
+            self._inflight -= 1
+            self._cond.notify_all()
+
+    def put_back(self, closure: Closure) -> None:
+        with self._cond:
+            self._inflight -= 1
+            if self._error is not None:
+                closure.cancel()
+            else:
+                self._queue.appendleft(closure)
+            self._cond.notify_all()
+
+    def mark_failed(self, error: BaseException) -> None:
+        with self._cond:
+            if self._error is None:
+                self._error = error
+            while self._queue:
+                self._queue.popleft().cancel()
+            self._inflight -= 1
+            self._cond.notify_all()
+
+    def wait(self) -> None:
+        """Blocks until nothing is queued or in flight; raises (and clears) the first error."""
+        with self._cond:
+            while True:
+                if self._inflight == 0 and (self._error is not None or not self._queue):
+                    break
+                if self.live_workers == 0 and not self._stopped:
+                    raise UnavailableError(
+                        f"every worker is lost and none came back; {len(self._queue)} scheduled functions "
+                        "cannot run. Restart the job (restore the last checkpoint)."
+                    )
+                self._cond.wait(1.0)
+            self._raise_if_error()
+
+    def done(self) -> bool:
+        with self._cond:
+            if self._error is not None and self._inflight == 0:
+                self._raise_if_error()
+            return not self._queue and self._inflight == 0 and self._error is None
+
+    def _raise_if_error(self) -> None:
+        if self._error is None:
+            return
+        self._cond.wait_for(lambda: self._inflight == 0)
+        error, self._error = self._error, None
+        raise error
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stopped = True
+            while self._queue:
+                self._queue.popleft().cancel()
+            self._cond.notify_all()
+
+    def notify(self) -> None:
+        with self._cond:
+            self._cond.notify_all()
+
+
+class WorkerThread:
+    """Runs closures on one worker actor (TF: ``WorkerClosureProcessingLoop-<i>``)."""
+
+    def __init__(self, index: int, cluster: Any, queue: ClosureQueue):
+        self.index, self._cluster, self._queue = index, cluster, queue
+        self.resources: dict[int, tuple[Any, Any]] = {}  # resource id -> (dataset_fn, RemoteValue)
+        self._lock = threading.Lock()
+        with queue._cond:
+            queue.live_workers += 1
+        self._thread = threading.Thread(target=self._loop, name=f"WorkerClosureProcessingLoop-{index}", daemon=True)
+        self._thread.start()
+
+    @property
+    def actor(self) -> Any:
+        return self._cluster.workers[self.index]
+
+    def add_resource(self, resource_id: int, dataset_fn: Any, remote_value: Any) -> None:
+        with self._lock:
+            self.resources[resource_id] = (dataset_fn, remote_value)
+            remote_value._start(self.actor.create_iterator.remote(resource_id, dataset_fn))
+
+    def _loop(self) -> None:
+        try:
+            while True:
+                closure = self._queue.get()
+                if closure is None:
+                    return
+                self._process(closure)
+                if not self._cluster.alive:
+                    return
+        finally:
+            with self._queue._cond:
+                self._queue.live_workers -= 1
+                self._queue._cond.notify_all()
+
+    def _process(self, closure: Closure) -> None:
+        import ray
+
+        step = closure.step
+        try:
+            outs = ray.get(self.actor.run.remote(step.plan, step.box, closure.args))
+        except Exception as error:  # noqa: BLE001 - classified below
+            kind, cause = self._cluster.classify(error)
+            if kind == "worker":
+                self._queue.put_back(closure)
+                self._recover()
+                return
+            if kind == "ps":
+                cause = PSUnavailableError(
+                    f"parameter server {cause} ({self._cluster.ps_name(cause)}, /job:ps/replica:0/task:{cause}) is "
+                    "unavailable: its process died and its variables are lost. Bring the ps back (a new "
+                    "ParameterServerStrategy), re-create the variables and restore the last checkpoint."
+                )
+            closure.remote_value._set_error(cause)
+            self._queue.mark_failed(cause)
+            return
+        import jax
+
+        closure.remote_value._set_value(jax.tree_util.tree_unflatten(step.out_tree, outs))
+        self._queue.mark_finished()
+
+    def _recover(self) -> None:
+        """Waits for Ray to restart this worker, then rebuilds its iterators (TF: _on_worker_recovery)."""
+        import ray
+
+        with self._lock:
+            for _, remote_value in self.resources.values():
+                remote_value._set_aborted(ClosureAbortedError("the worker holding this iterator was lost; it is being rebuilt."))
+        deadline = time.monotonic() + _WORKER_RECOVERY_SECONDS
+        while self._cluster.alive and time.monotonic() < deadline:
+            try:
+                ray.get(self.actor.ping.remote(), timeout=_PING_SECONDS)
+                break
+            except Exception:  # noqa: BLE001 - still restarting
+                time.sleep(0.2)
+        else:
+            self._cluster.alive_workers.discard(self.index)
+            return
+        with self._lock:
+            for resource_id, (dataset_fn, remote_value) in self.resources.items():
+                remote_value._start(self.actor.create_iterator.remote(resource_id, dataset_fn))
+        self._cluster.recoveries += 1

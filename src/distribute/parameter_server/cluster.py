@@ -1,0 +1,130 @@
+"""The Ray side of a ParameterServerStrategy: connecting, creating and naming the actors, classifying failures.
+
+* Embedded default: no ``address`` and no ``RAY_ADDRESS``: a local Ray instance
+  the strategy starts itself (``ray.init(address="local")``) and shuts down at
+  exit; an already initialized Ray is reused (and left running).
+* ``address=`` (or ``RAY_ADDRESS``): joins that Ray cluster.
+
+Actors are Ray named actors ``ps-<j>`` (class ``ParameterServer``) and
+``worker-<i>`` (class ``Worker``) in a namespace of their own per strategy, so
+``ray list actors`` shows which process is which.  A ps is never restarted (its
+loss is surfaced, as TF); a worker is restarted by Ray without limit and never
+retried by Ray: the coordinator re-queues its closures itself.  When the Ray
+cluster has a custom resource ``distribute_ps_<j>`` (or ``distribute_worker_<i>``),
+the actor is pinned to the node that offers it.
+"""
+
+from __future__ import annotations
+
+import atexit
+import itertools
+import threading
+from typing import Any
+
+from distribute.parameter_server.actors import ParameterServer, Worker
+
+_NAMESPACES = itertools.count()
+_LOCK = threading.Lock()
+_STARTED_RAY: list[bool] = []
+
+
+def import_ray() -> Any:
+    try:
+        import ray
+    except ImportError as err:  # pragma: no cover - ray is installed in the test environment
+        raise ImportError(
+            "ParameterServerStrategy runs on Ray, which is not installed. Install the extra: "
+            "pip install 'jax-distribute[ps]'"
+        ) from err
+    return ray
+
+
+def connect(address: str | None) -> None:
+    """Initializes Ray (embedded local instance unless ``address``); reuses an initialized Ray."""
+    ray = import_ray()
+    with _LOCK:
+        if ray.is_initialized():
+            return
+        if address is None:
+            ray.init(address="local", include_dashboard=False, log_to_driver=False, configure_logging=False)
+            _STARTED_RAY.append(True)
+            atexit.register(_shutdown_ray)
+        else:
+            ray.init(address=address, log_to_driver=False, configure_logging=False)
+
+
+def _shutdown_ray() -> None:
+    import ray
+
+    if _STARTED_RAY and ray.is_initialized():
+        ray.shutdown()
+
+
+class Cluster:
+    """The ps and worker actors of one strategy."""
+
+    def __init__(self, num_workers: int, num_ps: int) -> None:
+        ray = import_ray()
+        base = ray.get_runtime_context().namespace
+        self.namespace = f"{base}-ps{next(_NAMESPACES)}"
+        resources = ray.cluster_resources()
+        ps_cls = ray.remote(num_cpus=0, max_restarts=0)(ParameterServer)
+        worker_cls = ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=0)(Worker)
+        self.ps = [
+            ps_cls.options(name=f"ps-{j}", namespace=self.namespace, **_pin(resources, f"distribute_ps_{j}")).remote(j)
+            for j in range(num_ps)
+        ]
+        self.workers = [
+            worker_cls.options(name=f"worker-{i}", namespace=self.namespace, **_pin(resources, f"distribute_worker_{i}")).remote(
+                i, self.ps
+            )
+            for i in range(num_workers)
+        ]
+        self._ps_ids = {h._actor_id.hex(): j for j, h in enumerate(self.ps)}
+        self.alive = True
+        self.alive_workers = set(range(num_workers))
+        self.recoveries = 0
+        ray.get([h.ping.remote() for h in self.ps + self.workers], timeout=300)
+
+    def ps_name(self, j: int) -> str:
+        return f"ps-{j}"
+
+    def classify(self, error: BaseException) -> tuple[str, Any]:
+        """``("ps", j)``, ``("worker", error)`` or ``("user", original error)``.
+
+        A dead ps is recognized first, also when it surfaces through a worker's
+        call to it (a worker's failure caused by its ps is a ps failure).
+        """
+        from ray import exceptions as rx
+
+        chain, seen = [error], error
+        while isinstance(seen, rx.RayTaskError) and isinstance(seen.cause, BaseException) and seen.cause is not seen:
+            seen = seen.cause
+            chain.append(seen)
+        for e in chain:
+            actor_id = getattr(e, "actor_id", None)
+            if isinstance(e, rx.RayActorError) and actor_id is not None:
+                j = self._ps_ids.get(actor_id if isinstance(actor_id, str) else getattr(actor_id, "hex", lambda: "")())
+                if j is not None:
+                    return "ps", j
+        if isinstance(error, rx.RayTaskError):
+            return "user", chain[-1]
+        if isinstance(error, (rx.RayActorError, rx.ObjectLostError, rx.OwnerDiedError)):
+            return "worker", error
+        return "user", error
+
+    def shutdown(self) -> None:
+        import ray
+
+        self.alive = False
+        if not ray.is_initialized():
+            return
+        for handle in self.workers + self.ps:
+            try:
+                ray.kill(handle, no_restart=True)
+            except Exception:  # noqa: BLE001 - already gone
+                pass
+
+
+def _pin(resources: dict, name: str) -> dict:
+    return {"resources": {name: 0.01}} if name in resources else {}

@@ -1,0 +1,188 @@
+"""ClusterCoordinator (tf.distribute.coordinator.ClusterCoordinator): schedule, join, done, fetch, datasets."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+
+from distribute.parameter_server.closures import Closure, ClosureQueue, WorkerThread
+from distribute.parameter_server.dataset import (
+    PerWorkerDataset,
+    PerWorkerDistributedIterator,
+    pipeline_fn,
+)
+from distribute.parameter_server.values import PerWorkerValues, RemoteValue
+
+
+class ClusterCoordinator:
+    """Schedules functions onto the workers of a ParameterServerStrategy (TF: same name).
+
+    One per strategy: ``ClusterCoordinator(strategy)`` twice returns the same object.
+
+    Two workers, one ps::
+
+        coordinator = distribute.coordinator.ClusterCoordinator(strategy)
+        with strategy.scope():
+            v = keras.Variable(0.0)
+        def add():
+            v.assign_add(2.0)
+            return v.value
+        for _ in range(5):
+            coordinator.schedule(add)
+        coordinator.join()
+        float(v.numpy())   # 10.0: assign_add is additive on the ps, so totals are exact
+
+    Raises:
+        ValueError: ``strategy`` is not a ParameterServerStrategy (TF's message).
+    """
+
+    def __new__(cls, strategy: Any):
+        from distribute.parameter_server.strategy import ParameterServerStrategy
+
+        if not isinstance(strategy, ParameterServerStrategy):
+            raise ValueError(
+                "Only `tf.distribute.experimental.ParameterServerStrategy` is supported to work with "
+                "`tf.distribute.experimental.coordinator.ClusterCoordinator` currently."
+            )
+        existing = strategy._cluster_coordinator
+        if existing is not None:
+            return existing
+        self = super().__new__(cls)
+        self._strategy = strategy
+        self._cluster = strategy.extended._cluster
+        self._queue = ClosureQueue()
+        self._threads = [WorkerThread(i, self._cluster, self._queue) for i in range(len(self._cluster.workers))]
+        self._steps: dict = {}
+        strategy._cluster_coordinator = self
+        strategy.extended._used_with_coordinator = True
+        return self
+
+    def __init__(self, strategy: Any):  # all done in __new__ (a singleton per strategy)
+        pass
+
+    @property
+    def strategy(self) -> Any:
+        return self._strategy
+
+    # -- scheduling ------------------------------------------------------------------------
+    def schedule(self, fn: Callable, args: Any = None, kwargs: Any = None) -> RemoteValue:
+        """Queues ``fn(*args, **kwargs)`` to run on some worker; returns its RemoteValue at once.
+
+        ``fn`` is a plain Python function, traced on the coordinator once per input
+        signature (as TF traces a ``tf.function``): array arguments are inputs,
+        Python values are constants, a per-worker iterator gives the executing
+        worker's elements.  It runs at least once (more if a worker is lost midway).
+
+        Raises:
+            TypeError: ``fn`` is not callable (TF's message).
+            ValueError: a RemoteValue is an argument (TF's message).
+            Exception: the first error of an earlier scheduled function (then
+                cleared), or ``PSUnavailableError`` when a ps was lost.
+        """
+        from distribute.keras_support.ps_hooks import KerasVariable
+        from distribute.parameter_server import program
+
+        if not callable(fn):
+            raise TypeError("Function passed to `ClusterCoordinator.schedule` must be a callable object.")
+        args = tuple(args or ())
+        kwargs = dict(kwargs or {})
+        self._queue.put_check()
+        leaves, treedef = jax.tree_util.tree_flatten(
+            (args, kwargs), is_leaf=lambda x: isinstance(x, (RemoteValue, PerWorkerValues, KerasVariable))
+        )
+        kinds, statics, arrays, avals, iter_specs, key_parts = [], [], [], [], [], []
+        for leaf in leaves:
+            if isinstance(leaf, RemoteValue):
+                raise ValueError(
+                    "`tf.distribute.experimental.coordinator.RemoteValue` used as an input to scheduled "
+                    "function is not yet supported."
+                )
+            if isinstance(leaf, PerWorkerDistributedIterator):
+                el_treedef, specs = leaf._spec()
+                specs = [(tuple(shape), np.dtype(jax.dtypes.canonicalize_dtype(np.dtype(dtype)))) for shape, dtype in specs]
+                kinds.append(program.ITER)
+                iter_specs.append((leaf._resource_id, el_treedef, specs))
+                key_parts.append(("iter", leaf._resource_id, el_treedef, tuple(map(tuple, specs))))
+            elif isinstance(leaf, PerWorkerValues):
+                raise NotImplementedError(
+                    "a PerWorkerValues other than a per-worker iterator as a scheduled input is not supported yet; "
+                    "pass iter(coordinator.create_per_worker_dataset(...)), or plain arrays."
+                )
+            elif isinstance(leaf, (jax.Array, np.ndarray, np.generic)):
+                value = np.asarray(leaf)
+                kinds.append(program.ARRAY)
+                arrays.append(value)
+                avals.append(jax.ShapeDtypeStruct(value.shape, value.dtype))
+                key_parts.append(("array", value.shape, value.dtype.str))
+            else:
+                kinds.append(program.STATIC)
+                statics.append(leaf)
+                key_parts.append(("static", _static_key(leaf)))
+        key = (_function_key(fn), treedef, tuple(key_parts))
+        step = self._steps.get(key)
+        if step is None:
+            step = program.trace_step(self._strategy, fn, treedef, kinds, statics, avals, iter_specs)
+            self._steps[key] = step
+        remote_value = RemoteValue()
+        self._queue.put(Closure(step, arrays, remote_value))
+        return remote_value
+
+    def join(self) -> None:
+        """Blocks until every scheduled function has run; then the coordinator's variables hold the ps values.
+
+        Raises:
+            Exception: the first error of a scheduled function (queued functions are
+                cancelled and the error cleared), or ``PSUnavailableError``.
+        """
+        self._queue.wait()
+        self._strategy.extended._refresh()
+
+    def done(self) -> bool:
+        """Whether every scheduled function has run (raises the pending error like ``join``)."""
+        finished = self._queue.done()
+        if finished:
+            self._strategy.extended._refresh()
+        return finished
+
+    def fetch(self, val: Any) -> Any:
+        """``RemoteValue.fetch()`` over a nested structure; other leaves are returned unchanged."""
+        return jax.tree_util.tree_map(
+            lambda v: v.fetch() if isinstance(v, RemoteValue) else v, val, is_leaf=lambda x: isinstance(x, RemoteValue)
+        )
+
+    # -- datasets ------------------------------------------------------------------------------
+    def create_per_worker_dataset(self, dataset_fn: Any) -> PerWorkerDataset:
+        """A dataset built on every worker (TF: same name); ``iter()`` it and pass the iterator to ``schedule``.
+
+        Accepts a function without arguments returning a ``distribute.data.Dataset``,
+        a Dataset, the result of ``strategy.experimental_distribute_dataset`` /
+        ``distribute_datasets_from_function``, or a ``DatasetCreator``.  The function
+        (and a Dataset) are pickled to the workers, which run it; inside it,
+        ``experimental_get_current_worker_index()`` tells which worker runs it.
+        Datasets are rebuilt when a worker is restarted.
+        """
+        return PerWorkerDataset(self, pipeline_fn(dataset_fn))
+
+    def _stop(self) -> None:
+        self._queue.stop()
+
+
+def _function_key(fn: Callable) -> Any:
+    owner = getattr(fn, "__self__", None)
+    func = getattr(fn, "__func__", None)
+    if owner is not None and func is not None:
+        return ("method", func, id(owner))
+    return fn
+
+
+def _static_key(leaf: Any) -> Any:
+    try:
+        hash(leaf)
+    except TypeError:
+        return ("id", id(leaf))
+    if hasattr(leaf, "_distribute_on_assign") or not isinstance(leaf, (int, float, str, bool, type(None), tuple)):
+        return ("id", id(leaf))
+    return (type(leaf), leaf)

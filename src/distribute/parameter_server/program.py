@@ -1,0 +1,333 @@
+"""Traces a scheduled function on the coordinator into programs the workers and ps run.
+
+``schedule(fn, args)`` traces ``fn`` once per input signature (as ``tf.function``
+traces once per signature), inside the strategy's scope, under a
+:class:`~distribute.keras_support.ps_hooks.PSTraceScope`:
+
+* the **step program** ``(read values, dataset elements, array args) -> (results,
+  gradients, deltas, assigned values)`` runs on a worker; every Keras variable
+  ``fn`` reads is an input (the worker pulls it from its ps), each ``next()`` on a
+  per-worker iterator is an input (the worker feeds its own dataset's element);
+* one **apply program** per ``optimizer.apply`` and ps: the optimizer's update of
+  the variables that ps holds (and their slots), run by that ps on its current
+  values when the gradients arrive, as TF runs the apply ops on the ps.
+
+Both are serialized with ``jax.export``: workers and ps never unpickle user code.
+Variables created while tracing (optimizer slots, lazily built layers) are created
+then, as TF creates slots at trace time, and retraced with.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import itertools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from distribute.keras_support.ps_hooks import (
+    KerasVariable,
+    PSApplyScope,
+    PSTraceScope,
+    initialize_all_variables,
+    without_clipping,
+)
+from distribute.tracing import check_ownership
+
+ITER, ARRAY, STATIC = 0, 1, 2
+_IDS = itertools.count()
+# Optimizers whose update is elementwise, so a ps may update the rows it holds of a
+# partitioned variable on its own.
+_ELEMENTWISE_OPTIMIZERS = {"SGD", "Adam", "AdamW", "Adagrad", "Adadelta", "Adamax", "Nadam", "RMSprop", "Ftrl", "Lion", "Lamb"}
+
+
+@dataclasses.dataclass(frozen=True)
+class StepPlan:
+    """What a worker needs to run one step program: plain data, no user code."""
+
+    program_id: int
+    pull: dict  # ps index -> tuple of storage keys
+    read: tuple  # per program variable input: ((ps, key), ...) concatenated on axis 0
+    iterators: tuple  # (resource_id, number of next() calls, [(shape, dtype)])
+    num_results: int
+    applies: tuple  # (ps, program_id, box, owned keys, written keys, foreign (ps, key)s, grad slices)
+    deltas: tuple  # (output position, ((ps, key, start, stop), ...))
+    sets: tuple
+
+
+@dataclasses.dataclass
+class Step:
+    plan: StepPlan
+    box: list
+    out_tree: Any
+
+
+class _TracedIterator:
+    """Stands for a per-worker iterator while tracing: each ``next()`` is a program input."""
+
+    def __init__(self, treedef: Any, specs: list, elements: list):
+        self._treedef, self._specs, self._elements = treedef, specs, elements
+        self.count = 0
+
+    def __iter__(self) -> _TracedIterator:
+        return self
+
+    def __next__(self) -> Any:
+        if self.count < len(self._elements):
+            leaves = self._elements[self.count]
+        else:  # discovered now; an input from the next trace on
+            leaves = [jnp.zeros(shape, dtype) for shape, dtype in self._specs]
+        self.count += 1
+        return jax.tree_util.tree_unflatten(self._treedef, leaves)
+
+    def get_next(self) -> Any:
+        return next(self)
+
+
+@dataclasses.dataclass
+class _Record:
+    missing: dict = dataclasses.field(default_factory=dict)
+    written: dict = dataclasses.field(default_factory=dict)
+    counts: list = dataclasses.field(default_factory=list)
+    out_tree: Any = None
+    num_results: int = 0
+    applies: list = dataclasses.field(default_factory=list)  # (optimizer, variables, grad positions)
+    delta_vars: list = dataclasses.field(default_factory=list)
+    set_vars: list = dataclasses.field(default_factory=list)
+
+
+def trace_step(strategy: Any, fn: Callable, treedef: Any, kinds: list, statics: list, arg_avals: list, iter_specs: list) -> Step:
+    """Traces ``fn`` into a step program and its apply programs; see the module docstring.
+
+    ``iter_specs``: per per-worker iterator argument, ``(resource_id, element treedef,
+    [(shape, dtype), ...])``.
+    """
+    registry = strategy.extended._registry
+    known: dict[int, KerasVariable] = {}
+    counts = [0] * len(iter_specs)
+    for _ in range(8):
+        read_vars = list(known.values())
+        record = _Record()
+        body = _step_body(strategy, fn, treedef, kinds, statics, iter_specs, counts, read_vars, record)
+        read_avals = [jax.ShapeDtypeStruct(tuple(v.shape), v.dtype) for v in read_vars]
+        iter_avals = [
+            jax.ShapeDtypeStruct(shape, dtype) for (_, _, specs), n in zip(iter_specs, counts) for _ in range(n) for shape, dtype in specs
+        ]
+        exported = jax.export.export(jax.jit(body))(read_avals, iter_avals, arg_avals)
+        initialize_all_variables()
+        new = {i: v for i, v in {**record.missing, **record.written}.items() if i not in known}
+        if new or record.counts != counts:
+            known.update(new)
+            counts = record.counts
+            continue
+        check_ownership(strategy, read_vars + list(record.written.values()))
+        strategy.extended._flush()
+        return _make_step(strategy, registry, exported, record, read_vars, iter_specs, counts)
+    raise RuntimeError(
+        f"tracing {getattr(fn, '__qualname__', fn)!r} for ClusterCoordinator.schedule did not settle: it keeps "
+        "creating variables or calling next() a different number of times. Create variables before scheduling."
+    )
+
+
+def _step_body(strategy, fn, treedef, kinds, statics, iter_specs, counts, read_vars, record: _Record):
+    def body(read_vals, iter_vals, arg_vals):
+        mapping = {id(v): x for v, x in zip(read_vars, read_vals)}
+        scope = PSTraceScope(mapping)
+        flat_iter = iter(iter_vals)
+        iterators = []
+        for (_, el_treedef, specs), n in zip(iter_specs, counts):
+            elements = [[next(flat_iter) for _ in specs] for _ in range(n)]
+            iterators.append(_TracedIterator(el_treedef, specs, elements))
+        it_iter, arg_iter, static_iter = iter(iterators), iter(arg_vals), iter(statics)
+        leaves = [next(it_iter) if k == ITER else next(arg_iter) if k == ARRAY else next(static_iter) for k in kinds]
+        args, kwargs = jax.tree_util.tree_unflatten(treedef, leaves)
+        with strategy.scope(), strategy.extended._scheduling(), scope:
+            result = fn(*args, **kwargs)
+        record.missing, record.written = scope.missing, scope.written
+        record.counts = [it.count for it in iterators]
+        result_leaves, record.out_tree = jax.tree_util.tree_flatten(result, is_leaf=lambda x: isinstance(x, KerasVariable))
+        outs = [_as_output(x) for x in result_leaves]
+        record.num_results = len(outs)
+        for optimizer, variables, grads in scope.applies:
+            record.applies.append((optimizer, variables, list(range(len(outs), len(outs) + len(grads)))))
+            outs.extend(jnp.asarray(g, v.dtype) for g, v in zip(grads, variables))
+        for i, var in scope.written.items():
+            (record.set_vars if i in scope.plain else record.delta_vars).append(var)
+        outs.extend(jnp.asarray(scope.deltas[id(v)], v.dtype) for v in record.delta_vars)
+        outs.extend(jnp.asarray(scope.state_mapping[id(v)], v.dtype) for v in record.set_vars)
+        return outs
+
+    return body
+
+
+def _as_output(x: Any) -> Any:
+    if isinstance(x, KerasVariable):
+        x = x.value
+    try:
+        return jnp.asarray(x)
+    except TypeError as err:
+        raise TypeError(
+            f"a function scheduled with ClusterCoordinator.schedule returned {x!r} of type "
+            f"{type(x).__name__}; it may return arrays only (nested in tuples, lists or dicts)."
+        ) from err
+
+
+def _make_step(strategy, registry, exported, record: _Record, read_vars, iter_specs, counts) -> Step:
+    import ray
+
+    program_id = next(_IDS)
+    box = [ray.put(exported.serialize())]
+    pull: dict[int, set] = {}
+
+    def need(var):
+        keys = tuple((s.ps, s.key) for s in registry.entry(var).shards)
+        for j, k in keys:
+            pull.setdefault(j, set()).add(k)
+        return keys
+
+    read = tuple(need(v) for v in read_vars)
+    applies = []
+    for optimizer, variables, positions in record.applies:
+        for j in range(registry.num_ps):
+            applies.extend(_apply_programs(registry, optimizer, variables, positions, j, need))
+    deltas = tuple((record.num_results + _offset(record) + i, _targets(registry, v)) for i, v in enumerate(record.delta_vars))
+    base = record.num_results + _offset(record) + len(record.delta_vars)
+    sets = tuple((base + i, _targets(registry, v)) for i, v in enumerate(record.set_vars))
+    plan = StepPlan(
+        program_id=program_id,
+        pull={j: tuple(sorted(keys)) for j, keys in pull.items()},
+        read=read,
+        iterators=tuple((rid, n, [(tuple(s), np.dtype(d).str) for s, d in specs]) for (rid, _, specs), n in zip(iter_specs, counts)),
+        num_results=record.num_results,
+        applies=tuple(applies),
+        deltas=deltas,
+        sets=sets,
+    )
+    return Step(plan=plan, box=box, out_tree=record.out_tree)
+
+
+def _offset(record: _Record) -> int:
+    return sum(len(p) for _, _, p in record.applies)
+
+
+def _targets(registry, var) -> tuple:
+    shards = registry.entry(var).shards
+    if len(shards) == 1:
+        return ((shards[0].ps, shards[0].key, None, None),)
+    return tuple((s.ps, s.key, s.start, s.stop) for s in shards)
+
+
+def _local(registry, var, j) -> tuple[list, tuple | None]:
+    """The shards of ``var`` on ps ``j`` and their row bounds (None: the whole variable)."""
+    shards = registry.entry(var).shards
+    mine = [s for s in shards if s.ps == j]
+    if len(mine) == len(shards):
+        return mine, None
+    return mine, tuple((s.start, s.stop) for s in mine)
+
+
+def _apply_programs(registry, optimizer, variables, positions, j, need) -> list:
+    subset, grad_slices, grad_avals = [], [], []
+    for var, pos in zip(variables, positions):
+        mine, bounds = _local(registry, var, j)
+        if not mine:
+            continue
+        rows = sum(s.stop - s.start for s in mine) if bounds else var.shape[0] if var.shape else None
+        subset.append(var)
+        grad_slices.append((pos, bounds))
+        shape = tuple(var.shape) if bounds is None else (rows, *var.shape[1:])
+        grad_avals.append(jax.ShapeDtypeStruct(shape, var.dtype))
+        if bounds is not None and type(optimizer).__name__ not in _ELEMENTWISE_OPTIMIZERS:
+            raise NotImplementedError(
+                f"optimizer {type(optimizer).__name__!r} updates the partitioned variable '{var.path}', whose rows "
+                "live on several parameter servers; only elementwise optimizers "
+                f"({', '.join(sorted(_ELEMENTWISE_OPTIMIZERS))}) can update partitions separately. Use one of them, "
+                "or create the strategy without a variable_partitioner."
+            )
+    if not subset:
+        return []
+    # Seed the discovery with what an update reads (the variables, their slots, the step counter
+    # and learning rate), so that the first trace already sees this ps's rows of partitioned ones.
+    owned: dict[int, Any] = {id(v): v for v in subset}
+    foreign: dict[int, Any] = {}
+    for var in optimizer.variables:
+        entry = registry.entry(var)
+        if entry is None:
+            continue
+        if _local(registry, var, j)[0]:
+            owned.setdefault(id(var), var)
+        elif var is optimizer._iterations or var is getattr(optimizer, "_learning_rate", None):
+            foreign[id(var)] = var
+    for _ in range(6):
+        owned_vars, foreign_vars = list(owned.values()), list(foreign.values())
+        written_out: list = []
+        missing: dict = {}
+        bad_writes: list = []
+
+        def body(owned_vals, foreign_vals, grads):
+            mapping = {id(v): x for v, x in zip(owned_vars, owned_vals)}
+            mapping.update({id(v): x for v, x in zip(foreign_vars, foreign_vals)})
+            scope = PSApplyScope(mapping)
+            with without_clipping(optimizer), _row_shapes(registry, owned_vars, j), scope:
+                optimizer.apply(list(grads), subset)
+            missing.update(scope.missing)
+            outs = []
+            for i, var in scope.written.items():
+                if var is optimizer._iterations:
+                    continue  # the worker's step adds 1, once per step
+                if i not in owned:
+                    bad_writes.append(var)
+                    continue
+                written_out.append(var)
+                outs.append(jnp.asarray(scope.state_mapping[i], var.dtype))
+            return outs
+
+        owned_avals = [_local_aval(registry, v, j) for v in owned_vars]
+        foreign_avals = [jax.ShapeDtypeStruct(tuple(v.shape), v.dtype) for v in foreign_vars]
+        exported = jax.export.export(jax.jit(body))(owned_avals, foreign_avals, grad_avals)
+        new = {i: v for i, v in missing.items() if i not in owned and i not in foreign}
+        new.update({id(v): v for v in bad_writes if id(v) not in owned and id(v) not in foreign and _local(registry, v, j)[0]})
+        if new:
+            for i, v in new.items():
+                (owned if _local(registry, v, j)[0] else foreign)[i] = v
+            continue
+        if bad_writes:
+            raise NotImplementedError(
+                f"optimizer {type(optimizer).__name__!r} writes '{bad_writes[0].path}' while updating the variables "
+                f"of ps {j}, but that variable lives on another ps; ParameterServerStrategy supports optimizers "
+                "that update only a variable and its slots (and the step counter)."
+            )
+        import ray
+
+        owned_keys = tuple(tuple(s.key for s in _local(registry, v, j)[0]) for v in owned_vars)
+        written_keys = tuple(tuple(s.key for s in _local(registry, v, j)[0]) for v in written_out)
+        foreign_keys = tuple(need(v) for v in foreign_vars)
+        return [(j, next(_IDS), [ray.put(exported.serialize())], owned_keys, written_keys, foreign_keys, tuple(grad_slices))]
+    raise RuntimeError(f"tracing the update of optimizer {optimizer.name!r} for ps {j} did not settle.")  # pragma: no cover
+
+
+@contextlib.contextmanager
+def _row_shapes(registry, variables, j):
+    """While an update is traced for ps ``j``, a partitioned variable has the shape of the rows ``j`` holds."""
+    saved = []
+    for var in variables:
+        aval = _local_aval(registry, var, j)
+        if tuple(aval.shape) != tuple(var.shape):
+            saved.append((var, var._shape))
+            var._shape = tuple(aval.shape)
+    try:
+        yield
+    finally:
+        for var, shape in saved:
+            var._shape = shape
+
+
+def _local_aval(registry, var, j) -> Any:
+    mine, bounds = _local(registry, var, j)
+    if bounds is None:
+        return jax.ShapeDtypeStruct(tuple(var.shape), var.dtype)
+    return jax.ShapeDtypeStruct((sum(s.stop - s.start for s in mine), *var.shape[1:]), var.dtype)

@@ -1,0 +1,291 @@
+"""ParameterServerStrategy (tf.distribute.ParameterServerStrategy) on Ray.
+
+Variables created in the scope live on ps actors; functions scheduled with
+``ClusterCoordinator.schedule`` run on worker actors; updates are applied by each
+ps as they arrive (asynchronous training).  See ``cluster.py`` for the Ray side,
+``program.py`` for how a scheduled function becomes programs, ``registry.py`` for
+variable placement.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import logging
+import threading
+import weakref
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from distribute import _context
+from distribute.parameter_server.registry import VariableRegistry, ps_device
+from distribute.replica import ReplicaContext
+from distribute.strategy import Strategy, StrategyExtended
+from distribute.values import ReduceOp, is_distributed
+
+_SCHEDULING: contextvars.ContextVar[bool] = contextvars.ContextVar("distribute_ps_scheduling", default=False)
+_LOG = logging.getLogger("distribute")
+_DEFAULT_NUM_WORKERS, _DEFAULT_NUM_PS = 2, 1
+
+USED_WITHOUT_COORDINATOR_WARNING = (
+    "A `tf.distribute.experimental.ParameterServerStrategy` method is invoked without using "
+    "`ClusterCoordinator.schedule`. If you are not tracing a tf.function, this method is possibly "
+    "executed on the coordinator, which can be slow. To properly dispatch functions to run on "
+    "workers, methods like `run` or `reduce` should be used within a function passed to "
+    "`tf.distribute.experimental.coordinator.ClusterCoordinator.schedule`."
+)
+
+
+class ParameterServerStrategyExtended(StrategyExtended):
+    """The extended half of ParameterServerStrategy: variable placement and the cluster."""
+
+    def __init__(self, strategy: ParameterServerStrategy, devices: Sequence[jax.Device]):
+        super().__init__(strategy, devices)
+        self._registry: VariableRegistry | None = None
+        self._cluster: Any = None
+        self._push_lock = threading.Lock()
+
+    # -- TF's public names ----------------------------------------------------------------
+    @property
+    def worker_devices(self) -> tuple[str, ...]:
+        """Each worker's devices as a scheduled function sees them (TF: ``("/device:CPU:0",)`` without GPUs)."""
+        return ("/device:CPU:0",)
+
+    @property
+    def parameter_devices(self) -> tuple[str, ...]:
+        """The ps tasks' devices, ``/job:ps/replica:0/task:<j>/device:CPU:0``."""
+        return tuple(ps_device(j) for j in range(self._registry.num_ps))
+
+    @contextlib.contextmanager
+    def colocate_vars_with(self, colocate_with_variable: Any) -> Iterator[None]:
+        """Places variables created inside on ``colocate_with_variable``'s ps (never partitioned), as TF."""
+        from distribute.keras_support import ps_hooks
+
+        token = ps_hooks._COLOCATE.set(colocate_with_variable)
+        try:
+            yield
+        finally:
+            ps_hooks._COLOCATE.reset(token)
+
+    # -- the execution interface this strategy needs ----------------------------------------
+    def _on_variable_created(self, var: Any, colocate_with: Any) -> None:
+        entry = self._registry.register(var, colocate_with)
+        if len(entry.shards) == 1:
+            var.device = ps_device(entry.shards[0].ps)
+        var._distribute_on_assign = self._on_assign
+
+    def _on_assign(self, var: Any) -> None:
+        """A coordinator-side assignment (set_weights, restore, reset_state): pushed to the ps at once."""
+        entry = self._registry.entry(var)
+        if entry is None or not entry.on_ps or self._cluster is None:
+            return
+        import ray
+
+        parts = self._registry.shard_values(entry, var._value)
+        ray.get([self._cluster.ps[j].create.remote(vals) for j, vals in parts.items()])
+
+    def _flush(self) -> None:
+        """Sends every variable not yet on its ps there (initial values)."""
+        import ray
+
+        with self._push_lock:
+            pending = self._registry.pending()
+            if not pending:
+                return
+            per_ps: dict[int, dict] = {}
+            for entry in pending:
+                for j, vals in self._registry.shard_values(entry, entry.var._value).items():
+                    per_ps.setdefault(j, {}).update(vals)
+            ray.get([self._cluster.ps[j].create.remote(vals) for j, vals in per_ps.items()])
+            for entry in pending:
+                entry.on_ps = True
+
+    def _refresh(self) -> None:
+        """Reads every variable back from the ps into the coordinator's copies."""
+        import ray
+
+        entries = [e for e in self._registry.entries() if e.on_ps]
+        if not entries:
+            return
+        values: dict = {}
+        for part in ray.get([ps.read_all.remote() for ps in self._cluster.ps]):
+            values.update(part)
+        for entry in entries:
+            self._registry.set_local(entry, self._registry.assemble(entry, values))
+
+    @contextlib.contextmanager
+    def _scheduling(self) -> Iterator[None]:
+        token = _SCHEDULING.set(True)
+        try:
+            yield
+        finally:
+            _SCHEDULING.reset(token)
+
+
+class ParameterServerStrategy(Strategy):
+    """Asynchronous training with parameter servers (tf.distribute.ParameterServerStrategy), on Ray.
+
+    Variables created in ``scope()`` (Keras layers, optimizer slots, metrics) live
+    on ps tasks, round-robin per variable or shard (``variable.device`` names the
+    task, ``/job:ps/replica:0/task:<j>/device:CPU:0``); functions scheduled with
+    :class:`~distribute.coordinator.ClusterCoordinator` run on workers, each
+    ps applying updates as they arrive.
+
+    Cluster, in order: ``cluster_resolver`` (or TF_CONFIG through a resolver) gives
+    the number of ps and worker tasks; ``address=`` (or ``RAY_ADDRESS``) joins a
+    running Ray cluster; otherwise an embedded local Ray instance is started (2
+    workers and 1 ps by default) and shut down at exit.
+
+    Args:
+        cluster_resolver: a cluster resolver whose spec has ``ps`` and ``worker``
+            jobs (and optionally a ``chief``: the coordinator, this process).
+        variable_partitioner: a ``distribute.experimental.partitioners`` partitioner
+            (axis 0 only), or None.
+        num_workers, num_ps: task counts without a resolver (defaults 2 and 1).
+        address: a Ray address to join.
+
+    Raises:
+        ValueError: the cluster spec has no ps or no worker, is empty, or the counts
+            disagree with the resolver (TF's messages).
+    """
+
+    _extended_cls = ParameterServerStrategyExtended
+    _should_use_with_coordinator = True
+
+    def __init__(
+        self,
+        cluster_resolver: Any = None,
+        variable_partitioner: Any = None,
+        *,
+        num_workers: int | None = None,
+        num_ps: int | None = None,
+        address: str | None = None,
+    ):
+        from distribute.keras_support import ps_hooks
+        from distribute.parameter_server import cluster as ray_cluster
+
+        num_workers, num_ps = _task_counts(cluster_resolver, num_workers, num_ps)
+        super().__init__([jax.local_devices()[0]])
+        self._cluster_resolver = cluster_resolver
+        self._cluster_coordinator = None
+        ps_hooks.install()
+        if address is None:
+            from distribute.cluster import _env
+
+            address = _env.read("RAY_ADDRESS")
+        ray_cluster.connect(address)
+        self._extended._registry = VariableRegistry(num_ps, variable_partitioner)
+        self._extended._cluster = ray_cluster.Cluster(num_workers, num_ps)
+        self._extended._num_workers, self._extended._num_ps = num_workers, num_ps
+        self._finalizer = weakref.finalize(self, _shutdown, self._extended._cluster)
+
+    @property
+    def num_replicas_in_sync(self) -> int:
+        """Replicas per worker (TF: GPUs per worker, or 1); each worker runs one here."""
+        return 1
+
+    def __repr__(self) -> str:
+        ext = self._extended
+        return f"<ParameterServerStrategy num_workers={ext._num_workers} num_ps={ext._num_ps} at {id(self):#x}>"
+
+    # -- run / reduce inside scheduled functions ---------------------------------------------
+    def run(self, fn: Callable, args: Sequence = (), kwargs: dict | None = None, options: Any = None) -> Any:
+        """Runs ``fn`` on the worker's replica (one per worker here), inside a scheduled function.
+
+        Outside ``ClusterCoordinator.schedule`` it logs TF's warning and runs on the
+        coordinator.
+        """
+        if not _SCHEDULING.get():
+            _LOG.warning(USED_WITHOUT_COORDINATOR_WARNING)
+        with _context.enter_replica(self, ReplicaContext(self, in_program=False)):
+            return fn(*tuple(args), **(kwargs or {}))
+
+    def reduce(self, reduce_op: ReduceOp | str, value: Any, axis: int | None = None) -> Any:
+        """Combines one worker's replicas (TF: only the local replicas, never across workers).
+
+        One replica per worker: ``axis=None`` returns ``value``; an axis is summed or
+        averaged.
+        """
+        if not _SCHEDULING.get():
+            _LOG.warning(USED_WITHOUT_COORDINATOR_WARNING)
+        op = ReduceOp.from_value(reduce_op)
+
+        def one(v: Any) -> Any:
+            v = jnp.asarray(v.values[0] if is_distributed(v) else v)
+            if axis is None:
+                return v
+            return jnp.sum(v, axis=axis) if op is ReduceOp.SUM else jnp.mean(v, axis=axis)
+
+        return jax.tree_util.tree_map(one, value, is_leaf=is_distributed)
+
+    def gather(self, value: Any, axis: int) -> Any:
+        return value
+
+    def experimental_local_results(self, value: Any) -> tuple:
+        return (value,)
+
+    def experimental_distribute_dataset(self, dataset: Any, options: Any = None) -> Any:
+        """Marks ``dataset`` for ``ClusterCoordinator.create_per_worker_dataset`` (TF builds nothing here either)."""
+        from distribute.parameter_server.dataset import DistributedDatasetSpec
+
+        return DistributedDatasetSpec(dataset=dataset, options=options)
+
+    def distribute_datasets_from_function(self, dataset_fn: Callable, options: Any = None) -> Any:
+        """Marks ``dataset_fn(input_context)`` for ``create_per_worker_dataset``.
+
+        Every worker gets ``InputContext(num_input_pipelines=1, input_pipeline_id=0)``
+        as in TF: shard per worker with ``experimental_get_current_worker_index()``.
+        """
+        from distribute.parameter_server.dataset import DistributedDatasetSpec
+
+        return DistributedDatasetSpec(dataset_fn=dataset_fn, options=options)
+
+    def experimental_distribute_values_from_function(self, value_fn: Callable) -> Any:
+        from distribute.strategy import ValueContext
+
+        return value_fn(ValueContext(0, 1))
+
+    def _shutdown(self) -> None:
+        """Stops the coordinator's threads and kills this strategy's actors."""
+        coordinator = self._cluster_coordinator
+        if coordinator is not None:
+            coordinator._stop()
+        self._finalizer()
+
+
+def _shutdown(cluster: Any) -> None:
+    cluster.shutdown()
+
+
+def _task_counts(resolver: Any, num_workers: int | None, num_ps: int | None) -> tuple[int, int]:
+    for name, value in (("num_workers", num_workers), ("num_ps", num_ps)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"ParameterServerStrategy: {name} must be a positive int, got {value!r}.")
+    if resolver is None:
+        return num_workers or _DEFAULT_NUM_WORKERS, num_ps or _DEFAULT_NUM_PS
+    spec = resolver.cluster_spec()
+    jobs = spec.as_dict() if hasattr(spec, "as_dict") else dict(spec)
+    if not jobs:
+        raise ValueError("Cluster spec must be non-empty in `tf.distribute.cluster_resolver.ClusterResolver`.")
+    allowed = ("chief", "worker", "ps", "evaluator")
+    if any(job not in allowed for job in jobs):
+        raise ValueError(
+            f"Disallowed task type found in cluster spec. Allowed types are {allowed} and the cluster spec is {jobs}."
+        )
+    if len(jobs.get("chief", ())) > 1:
+        raise ValueError("There must be at most one 'chief' job.")
+    if not jobs.get("ps"):
+        raise ValueError("There must be at least one ps.")
+    if not jobs.get("worker"):
+        raise ValueError("There must be at least one worker.")
+    counts = len(jobs["worker"]), len(jobs["ps"])
+    for name, given, found in (("num_workers", num_workers, counts[0]), ("num_ps", num_ps, counts[1])):
+        if given is not None and given != found:
+            raise ValueError(
+                f"ParameterServerStrategy: {name}={given} disagrees with the cluster spec, which has {found}; "
+                "pass one or the other."
+            )
+    return counts
