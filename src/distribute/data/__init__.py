@@ -26,15 +26,24 @@ from distribute.data.options import (
 
 __all__ = [
     "AUTOTUNE",
-    "ArrayRecordDataset",
-    "NumpyFileDataset",
-    "TensorSpec",
-    "TextLineDataset",
     "INFINITE_CARDINALITY",
     "UNKNOWN_CARDINALITY",
+    "ArrayRecordDataset",
     "AutoShardPolicy",
     "Dataset",
     "DatasetIterator",
     "DistributeOptions",
+    "NumpyFileDataset",
     "Options",
+    "TensorSpec",
+    "TextLineDataset",
 ]
+
+
+def _install_keras_adapter() -> None:
+    from distribute.keras_support import data_adapter
+
+    data_adapter.install()
+
+
+_install_keras_adapter()

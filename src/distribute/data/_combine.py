@@ -41,7 +41,7 @@ class ZipNode:
                     values.append(next(iterator))
                 except StopIteration:
                     return
-            yield _structure.map_structure(lambda position: values[position], self.template)
+            yield _structure.map_structure(values.__getitem__, self.template)
 
 
 @dataclasses.dataclass

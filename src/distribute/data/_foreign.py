@@ -138,7 +138,9 @@ def tf_shard_by_files(dataset: Any, num_shards: int, index: int, num_replicas: i
     source = getattr(dataset, "_tf_source", None)
     if source is None:
         return None
-    from tensorflow.python.data.experimental.ops.distribute import _AutoShardDataset  # TF's rewrite
+    from tensorflow.python.data.experimental.ops.distribute import (
+        _AutoShardDataset,  # TF's rewrite
+    )
 
     return _from_tf(_AutoShardDataset(source, num_shards, index, num_replicas))
 

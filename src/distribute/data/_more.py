@@ -49,7 +49,7 @@ def traced_or_error(fn: Callable[[Any], Any], spec: Any, method: str) -> Any:
     """
     try:
         return _spec.traced_spec(fn, spec)
-    except Exception as err:  # noqa: BLE001 - user code on a dummy input
+    except Exception as err:
         raise ValueError(f"element_spec after {method} is unknown: the function raised {type(err).__name__}: {err} "
                          f"when run on a dummy element of spec {spec} (tf.data traces it the same way). Make the "
                          "function work for any input of that shape and dtype.") from err
@@ -268,7 +268,7 @@ def _inner_spec(make: Callable[[Any], Any], parent: Any, method: str) -> Any:
     """The inner datasets' element_spec, from the datasets made of two dummy elements (dims that differ: None)."""
     try:
         specs = [make(_spec.dummy_element(parent, size)).element_spec for size in _spec.DUMMY_SIZES]
-    except Exception as err:  # noqa: BLE001 - user code on a dummy input
+    except Exception as err:
         raise ValueError(f"element_spec after {method} is unknown: map_func raised {type(err).__name__}: {err} "
                          f"when run on a dummy element of spec {parent} (tf.data traces it the same way). Make "
                          "map_func work for any input of that shape and dtype.") from err

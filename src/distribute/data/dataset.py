@@ -23,10 +23,24 @@ from collections.abc import Callable
 from typing import Any
 
 import grain
-import numpy as np
 
-from distribute.data import _cardinality, _checks, _combine, _more, _pipeline, _plan, _sources, _spec, _structure
-from distribute.data.options import AUTOTUNE, INFINITE_CARDINALITY, UNKNOWN_CARDINALITY, Options
+from distribute.data import (
+    _cardinality,
+    _checks,
+    _combine,
+    _more,
+    _pipeline,
+    _plan,
+    _sources,
+    _spec,
+    _structure,
+)
+from distribute.data.options import (
+    AUTOTUNE,
+    INFINITE_CARDINALITY,
+    UNKNOWN_CARDINALITY,
+    Options,
+)
 
 _AUTOTUNE_PREFETCH = 2  # buffer used for prefetch(AUTOTUNE)
 _KEEP = object()  # _derive(): keep the parent's batch info
