@@ -151,15 +151,21 @@ class MoreMixin:
     def unbatch(self) -> Any:
         """Splits every element into its rows along dim 0 (``tf.data.Dataset.unbatch``).
 
-        The cardinality becomes ``UNKNOWN_CARDINALITY``, as in tf.data (except
-        infinite stays infinite).
+        The cardinality is tf.data's: the input's times the batch dim when
+        every component has that dim statically (``batch(3,
+        drop_remainder=True)``, ``from_tensor_slices`` of 2-D arrays), else
+        ``UNKNOWN_CARDINALITY`` (infinite stays infinite).
 
         Raises:
           ValueError: a component is a scalar (also while iterating: components
             of one element differ in dim 0).
         """
-        spec = _spec.unbatched(self.element_spec, "unbatch()")
-        cardinality = INFINITE_CARDINALITY if self._cardinality_value == INFINITE_CARDINALITY else UNKNOWN_CARDINALITY
+        parent = self.element_spec
+        spec = _spec.unbatched(parent, "unbatch()")
+        dims = {s.shape[0] if s.shape is not None else None for s in _structure.flatten(parent)[0]}
+        cardinality = self._cardinality_value
+        if cardinality >= 0:
+            cardinality = cardinality * dims.pop() if len(dims) == 1 and None not in dims else UNKNOWN_CARDINALITY
         return self._derive(cardinality, node=_combine.UnbatchNode(self._node), batch_info=None, spec=spec)
 
     @recorded

@@ -7,11 +7,12 @@ meaning: ``shape`` is a tuple whose ``None`` dims vary between elements (or
 
 Sources and shape-changing transformations compute their spec statically, as
 tf.data does. A function whose output shape tf.data learns by tracing (``map``,
-``flat_map``, ``interleave``) is run here once per dummy input instead: the
-input spec is filled with ones (``b"a"`` for strings), each ``None`` dim once
-with size 2 and once with size 3; output dims that differ between the two runs
-are ``None``. A dim that depends on the values rather than the shapes (e.g. a
-boolean mask) is reported as measured on those ones.
+``flat_map``, ``interleave``) is run here on two dummy inputs instead: every
+``None`` dim of the input spec is 2 in the first and 3 in the second, and so
+is every value (strings of 1 and 2 letters); output dims that differ between
+the two runs are ``None``, as tracing would leave them. A dim that depends on
+the values in a way these two inputs do not reveal (e.g. a mask that keeps
+both 2s and 3s) is reported as measured on them.
 """
 
 from __future__ import annotations
@@ -142,13 +143,16 @@ def most_specific_compatible(first: Any, second: Any, what: str) -> Any:
 
 
 def dummy_element(spec: Any, size: int) -> Any:
-    """An element matching ``spec``, ones everywhere, ``size`` for every None dim (unknown rank: rank 1)."""
+    """An element matching ``spec``: ``size`` for every None dim (unknown rank: rank 1) and as every value.
+
+    Strings are ``size - 1`` letters; booleans are True.
+    """
     def make(s: TensorSpec) -> Any:
         shape = (size,) if s.shape is None else tuple(size if d is None else d for d in s.shape)
         if s.dtype == STRING:
-            value = np.full(shape, b"a", dtype="S1")
+            value = np.full(shape, b"a" * (size - 1), dtype=f"S{size - 1}")
         else:
-            value = np.ones(shape, dtype=s.dtype)
+            value = np.full(shape, size, dtype=s.dtype)
         return value[()] if value.ndim == 0 else value
 
     return map_specs(make, spec)
