@@ -228,3 +228,9 @@ def test_one_shuffle_order_per_seed_on_both_engines(buffer_size):
     assert [int(x) for x in plan] == [int(x) for x in grain_path]
     assert [plain(b) for b in D.range(20).batch(3).shuffle(buffer_size, seed=5)] == [
         plain(b) for b in D.range(20).map(lambda x: x).batch(3).shuffle(buffer_size, seed=5)]
+
+
+def test_batched_tuple_holding_a_dict_keeps_its_structure():
+    # Regression: a (dict, array) element with two leaves lost its dict when batched on the array path.
+    batch = next(iter(D.from_tensor_slices(({"word": ["a", "b"]}, [1.0, 2.0])).batch(2)))
+    assert plain(batch) == [{"word": ["a", "b"]}, [1.0, 2.0]]

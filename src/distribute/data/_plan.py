@@ -149,7 +149,7 @@ def _assembler(arrays: Any, num_leaves: int) -> Callable[[list[Any]], Any]:
     """Returns a fast function from a list of leaves to an element shaped like ``arrays``."""
     if not _structure.is_structure(arrays):
         return operator.itemgetter(0)
-    if type(arrays) is tuple and len(arrays) == num_leaves:
+    if type(arrays) is tuple and len(arrays) == num_leaves and not any(_structure.is_structure(a) for a in arrays):
         return tuple
     return functools.partial(_structure.unflatten, arrays)
 

@@ -84,6 +84,9 @@ class _Encoded:
     def cardinality(self) -> int:
         return self._dataset.cardinality()
 
+    def __getattr__(self, name: str) -> Any:  # what the strategy's shard policy reads (e.g. _files_root)
+        return getattr(self._dataset, name)
+
 
 class DistributedDataset:
     """A dataset whose elements are PerReplica batches (tf.distribute.DistributedDataset).
