@@ -24,6 +24,8 @@ from distribute.data.options import (
     Options,
 )
 
+from distribute.data import experimental  # noqa: E402  (tf.data.experimental's names)
+
 __all__ = [
     "AUTOTUNE",
     "INFINITE_CARDINALITY",
@@ -37,6 +39,7 @@ __all__ = [
     "Options",
     "TensorSpec",
     "TextLineDataset",
+    "experimental",
 ]
 
 

@@ -62,11 +62,12 @@ class _LazyBatchInfo:
 
     def get(self) -> tuple[int, bool] | None:
         if not self._known:
-            self._value, self._known = _infer_batch_info(self._dataset), True
+            self._value, self._known = infer_batch_info(self._dataset), True
         return self._value
 
 
-def _infer_batch_info(dataset: Any) -> tuple[int, bool] | None:
+def infer_batch_info(dataset: Any) -> tuple[int, bool] | None:
+    """``(dim 0 size, static)`` when every component has rank >= 1 (a batch as TF sees it), else None."""
     leaves, _ = _structure.flatten(dataset.element_spec)
     if not leaves or any(s.shape is not None and len(s.shape) == 0 for s in leaves):
         return None

@@ -116,6 +116,8 @@ class DistributedDataset:
             )
         info = dataset._batch_info
         num_replicas = strategy.num_replicas_in_sync
+        if info is None and num_replicas > 1:
+            info = _split_dim(dataset)  # TF splits any element of rank >= 1 along dim 0
         if info is None:
             if num_replicas == 1:  # TF 2.21 hands each element to the one replica as it is
                 distributed = cls.from_function(strategy, lambda ctx: dataset, options)
@@ -221,6 +223,16 @@ class DistributedDataset:
 
     def __repr__(self) -> str:
         return f"DistributedDataset(strategy={self._strategy!r}, per_replica_batch={self._rows_per_replica})"
+
+
+def _split_dim(dataset: Any) -> tuple[int, bool] | None:
+    """``(size, static)`` of dim 0 of an unbatched dataset whose components all have rank >= 1, else None."""
+    from distribute.data._foreign import infer_batch_info
+
+    try:
+        return infer_batch_info(dataset)
+    except ValueError:  # the spec cannot be inferred: treat it as unbatched
+        return None
 
 
 def _file_sharded(strategy: Any, dataset: Any, info: tuple[int, bool]) -> Any | None:
