@@ -247,3 +247,60 @@ def test_one_worker_file_policy_reads_everything(tmp_path):
     s = distribute.MultiWorkerMirroredStrategy()
     got = [plain(v) for e in s.experimental_distribute_dataset(dataset) for v in s.experimental_local_results(e)]
     assert sorted(x for part in got for x in part) == ["f0-l0", "f1-l0", "f1-l1"]
+
+
+def test_fit_on_a_grain_pipeline_equals_fit_on_arrays():
+    import grain
+
+    x = np.random.default_rng(2).normal(size=(20, 3)).astype(np.float32)
+    y = x.sum(axis=1, keepdims=True)
+    s = mirrored(2)
+
+    def train(data, **kwargs):
+        with s.scope():
+            keras.utils.set_random_seed(4)
+            model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+            model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+        losses = model.fit(data, epochs=2, verbose=0, **kwargs).history["loss"]
+        return model.get_weights(), losses
+
+    pipeline = grain.MapDataset.source(list(range(20))).map(lambda i: (x[i], y[i])).batch(8)
+    got_weights, got_losses = train(pipeline)
+    want_weights, want_losses = train(x, y=y, batch_size=8, shuffle=False)
+    np.testing.assert_allclose(got_losses, want_losses, rtol=1e-6)
+    for a, b in zip(got_weights, want_weights):
+        np.testing.assert_allclose(a, b, rtol=1e-6)
+
+
+def test_agree_seeds_covers_every_unseeded_shuffle_upstream(tmp_path):
+    from types import SimpleNamespace
+
+    from distribute.input.distributed_dataset import agree_seeds
+
+    pattern = _write_text_files(tmp_path, 2)
+    seeded = Dataset.range(4).shuffle(4, seed=9)
+    unseeded = Dataset.range(4).shuffle(4)
+    files = TextLineDataset(Dataset.list_files(pattern))  # list_files shuffles without a seed
+    combined = Dataset.zip((seeded, unseeded.map(lambda v: v * 2))).concatenate(
+        Dataset.zip((Dataset.range(2), Dataset.range(2).shuffle(2)))).take(5)
+    asked = []
+
+    def agree(bases):  # worker 0's values, as MultiWorkerMirroredStrategy's exchange returns them
+        asked.append(list(bases))
+        return [1000 + i for i in range(len(bases))]
+
+    strategy = SimpleNamespace(extended=SimpleNamespace(_agree_on_seeds=agree))
+    agree_seeds(strategy, combined)
+    agree_seeds(strategy, files)
+    agree_seeds(strategy, combined)  # already agreed: not asked again
+    assert [len(a) for a in asked] == [2, 1]
+    assert [s.base for s in combined._seeds] == [1000, 1001] and files._seeds[0].base == 1000
+    assert seeded._seeds == ()  # a seeded shuffle keeps its own seed
+    # two workers' unseeded shuffles, once agreed, give one order per pass (and a new one each pass)
+    a, b = Dataset.range(50).shuffle(50), Dataset.range(50).map(lambda v: v).shuffle(50)
+    a._seeds[0].agree(5)
+    b._seeds[0].agree(5)
+    first_a, first_b = [int(v) for v in a], [int(v) for v in b]
+    assert first_a == first_b and sorted(first_a) == list(range(50))
+    second_a, second_b = [int(v) for v in a], [int(v) for v in b]
+    assert second_a == second_b != first_a

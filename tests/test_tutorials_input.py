@@ -312,3 +312,15 @@ def test_distributed_input_guide_generator():
         result = mirrored_strategy.run(lambda x: x, args=(next(iterator),))
         parts = mirrored_strategy.experimental_local_results(result)
         assert [np.shape(p) for p in parts] == [(2,), (2,)]  # each element of 4 split 2 | 2, as TF
+
+
+def test_readme_moving_a_tf_data_input_function_over_runs():
+    import pathlib
+
+    readme = (pathlib.Path(__file__).parents[1] / "README.md").read_text()
+    section = readme[readme.index("### Moving a tf.data input function over"):]
+    code = section.split("```python\n", 1)[1].split("```", 1)[0]
+    namespace: dict = {}
+    exec(compile(code, "README.md", "exec"), namespace)  # noqa: S102 - the README's own example
+    assert namespace["steps"] == 4
+    assert repr(namespace["dist"].element_spec[0]).startswith("PerReplicaSpec(TensorSpec(shape=(None, 2, 2), dtype=float32")
