@@ -116,18 +116,15 @@ class DistributedDataset:
             )
         info = dataset._batch_info
         num_replicas = strategy.num_replicas_in_sync
-        if info is None and num_replicas > 1:
+        if info is None:
             info = _split_dim(dataset)  # TF splits any element of rank >= 1 along dim 0
         if info is None:
-            if num_replicas == 1:  # TF 2.21 hands each element to the one replica as it is
-                distributed = cls.from_function(strategy, lambda ctx: dataset, options)
-                distributed._source = dataset
-                return distributed
             raise ValueError(
-                f"experimental_distribute_dataset got an unbatched dataset, which cannot be split between "
-                f"{num_replicas} replicas (TF 2.21 fails here too, with an IndexError). Call "
-                ".batch(global_batch_size) on it first, or use distribute_datasets_from_function, whose "
-                "dataset_fn may return an unbatched dataset (one element per replica per step)."
+                f"experimental_distribute_dataset got an unbatched dataset (its elements have scalar components), "
+                f"which cannot be split between replicas: call .batch(global_batch_size) on it first, or use "
+                "distribute_datasets_from_function, whose dataset_fn may return an unbatched dataset (one element "
+                "per replica per step). TF 2.21 fails here with an IndexError on several replicas and hands each "
+                "element through on one."
             )
         by_file = _file_sharded(strategy, dataset, info)
         if by_file is not None:
