@@ -38,7 +38,7 @@ import time
 os.environ.setdefault("KERAS_BACKEND", "jax")
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
 
-import numpy as np  # noqa: E402
+import numpy as np
 
 HEAVY_ELEMENTS, HEAVY_SIZE = 64, 400_000
 
@@ -154,9 +154,11 @@ def main() -> None:
     (out / "results.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     lines = ["| group | case | seconds (best) | items | per second |", "| --- | --- | ---: | ---: | ---: |"]
     lines += [f"| {r['group']} | {r['case']} | {r['seconds']:.3f} | {r['items']} {r['unit']} | {r['per_second']:.1f} |" for r in rows]
-    (out / "results.md").write_text("\n".join([f"Input pipeline benchmark, {meta['date']}, {meta['cpu_count']} CPUs, "
-                                               f"load {meta['load_average'][0]:.1f}, jax {meta['jax']}, "
-                                               f"tensorflow {meta['tensorflow']}", "", *lines, ""]))
+    title = (f"Input pipeline benchmark, {meta['date']}, {meta['cpu_count']} CPUs, load {meta['load_average'][0]:.1f}, "
+             f"jax {meta['jax']}, tensorflow {meta['tensorflow']}")
+    title = (f"Input pipeline benchmark, {meta['date']}, {meta['cpu_count']} CPUs, load {meta['load_average'][0]:.1f}, "
+             f"jax {meta['jax']}, tensorflow {meta['tensorflow']}")
+    (out / "results.md").write_text("\n".join([title, "", *lines, ""]))
 
 
 if __name__ == "__main__":

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
-from distribute.data import AUTOTUNE, Dataset as D, TensorSpec
 from helpers import tf_fixture
+
+from distribute.data import AUTOTUNE, TensorSpec
+from distribute.data import Dataset as D
 
 TF = tf_fixture()["data"]
 
@@ -190,7 +191,7 @@ def test_from_generator_without_types_is_an_extension():
 def test_map_spec_error_names_the_function_failure():
     dataset = D.range(3).map(lambda x: {"a": x}[int(x) - 1])
     with pytest.raises(ValueError, match="element_spec after map"):
-        dataset.element_spec
+        _ = dataset.element_spec
     assert [plain(e) for e in dataset.take(0)] == []
 
 

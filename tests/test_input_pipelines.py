@@ -9,13 +9,20 @@ from __future__ import annotations
 import keras
 import numpy as np
 import pytest
-
-import distribute
-from distribute.data import AutoShardPolicy, Dataset, NumpyFileDataset, Options, TensorSpec, TextLineDataset
-from distribute.data._files import shard_by_files
-from distribute.input.specs import PerReplicaSpec
 from helpers import mirrored, tf_fixture
 from test_data_tf_names import plain, spec_json, tf_spec
+
+import distribute
+from distribute.data import (
+    AutoShardPolicy,
+    Dataset,
+    NumpyFileDataset,
+    Options,
+    TensorSpec,
+    TextLineDataset,
+)
+from distribute.data._files import shard_by_files
+from distribute.input.specs import PerReplicaSpec
 
 TF = tf_fixture()["data"]
 X83 = np.arange(24, dtype=np.float32).reshape(8, 3)
@@ -134,7 +141,7 @@ def test_fit_evaluate_predict_on_a_dataset_with_no_strategy():
         keras.utils.set_random_seed(1)
         model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
         model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
-        history = model.fit(data, epochs=2, verbose=0, **({} if isinstance(data, Dataset) else {}))
+        history = model.fit(data, epochs=2, verbose=0)
         return model, history.history["loss"]
 
     with_dataset, losses = trained(Dataset.from_tensor_slices((x, y)).batch(4))

@@ -16,12 +16,12 @@ import pytest
 
 tf = pytest.importorskip("tensorflow", reason="TensorFlow is not installed: the tf.data interop test needs tensorflow-cpu")
 
-import keras  # noqa: E402
+import keras
+from helpers import mirrored
+from test_input_pipelines import dist_spec_json
 
-import distribute  # noqa: E402
-from distribute.data import Dataset  # noqa: E402
-from helpers import mirrored  # noqa: E402
-from test_input_pipelines import dist_spec_json  # noqa: E402
+import distribute
+from distribute.data import Dataset
 
 X = np.arange(30, dtype=np.float32).reshape(10, 3)
 Y = np.arange(10, dtype=np.int64)

@@ -16,9 +16,9 @@ from __future__ import annotations
 import keras
 import numpy as np
 import pytest
+from helpers import mirrored
 
 import distribute
-from helpers import mirrored
 
 tf = None  # nothing below may use TensorFlow
 
@@ -88,7 +88,7 @@ def test_custom_training_input():
 
     rows = []
     for x in train_dist_dataset:
-        images, labels = x
+        _, labels = x
         rows.append([int(np.shape(v)[0]) for v in strategy.experimental_local_results(labels)])
     assert rows == [[16, 16]] * 3 + [[2, 2]]  # 100 = 3 x 32 + 4 -> the last batch of 4 split 2 | 2
     test_rows = [[int(np.shape(v)[0]) for v in strategy.experimental_local_results(x[1])] for x in test_dist_dataset]

@@ -10,6 +10,7 @@ Importing this package lets Keras ``fit``/``evaluate``/``predict`` read a
 ``Dataset`` even when no strategy exists (``keras_support.data_adapter``).
 """
 
+from distribute.data import experimental
 from distribute.data._files import array_record_dataset as ArrayRecordDataset
 from distribute.data._files import numpy_file_dataset as NumpyFileDataset
 from distribute.data._files import text_line_dataset as TextLineDataset
@@ -23,8 +24,6 @@ from distribute.data.options import (
     DistributeOptions,
     Options,
 )
-
-from distribute.data import experimental  # noqa: E402  (tf.data.experimental's names)
 
 __all__ = [
     "AUTOTUNE",

@@ -120,8 +120,8 @@ class DistributedDataset:
             info = _split_dim(dataset)  # TF splits any element of rank >= 1 along dim 0
         if info is None:
             raise ValueError(
-                f"experimental_distribute_dataset got an unbatched dataset (its elements have scalar components), "
-                f"which cannot be split between replicas: call .batch(global_batch_size) on it first, or use "
+                "experimental_distribute_dataset got an unbatched dataset (its elements have scalar components), "
+                "which cannot be split between replicas: call .batch(global_batch_size) on it first, or use "
                 "distribute_datasets_from_function, whose dataset_fn may return an unbatched dataset (one element "
                 "per replica per step). TF 2.21 fails here with an IndexError on several replicas and hands each "
                 "element through on one."

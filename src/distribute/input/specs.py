@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from distribute.data._spec import TensorSpec
+from distribute.data import TensorSpec
 from distribute.data._structure import map_structure
 
 
