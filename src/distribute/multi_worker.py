@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import json
 import pickle
 from typing import Any, Iterator
 
@@ -118,6 +119,8 @@ class MultiWorkerExtended(StrategyExtended):
             policy = dataset.options().experimental_distribute.auto_shard_policy
         except AttributeError:
             policy = AutoShardPolicy.AUTO
+        if policy == AutoShardPolicy.FILE and _reads_files(dataset):
+            return AutoShardPolicy.DATA  # one worker (more are split by file in input/distributed_dataset.py)
         if policy == AutoShardPolicy.FILE:
             raise ValueError(
                 f"auto_shard_policy=FILE needs a file-based dataset with at least num_workers="
@@ -127,6 +130,23 @@ class MultiWorkerExtended(StrategyExtended):
         if policy == AutoShardPolicy.AUTO:
             return AutoShardPolicy.DATA  # as TF for a dataset that reads no files
         return policy
+
+    def _agree_on_seeds(self, seeds: list[int]) -> list[int]:
+        """Worker 0's ``seeds`` on every worker (the unseeded shuffles of a distributed dataset).
+
+        Raises:
+            ValueError: the workers built pipelines with different numbers of unseeded shuffles.
+        """
+        if self._exchange is None:
+            return seeds
+        payload = json.dumps([int(s) for s in seeds]).encode()
+        gathered = [json.loads(p) for p in self._exchange.all_gather(self._exchange.new_channel(), payload, "the input pipeline's shuffle seeds")]
+        if len({len(g) for g in gathered}) != 1:
+            raise ValueError(
+                f"The workers' input pipelines have different numbers of unseeded shuffles "
+                f"({[len(g) for g in gathered]}); every worker must build the same pipeline. Give each shuffle a seed."
+            )
+        return gathered[0]
 
     def _shard_dataset(self, dataset: Any) -> Any:
         """The elements this worker reads (TF's AutoShardPolicy).
@@ -286,3 +306,8 @@ class MultiWorkerMirroredStrategy(Strategy):
             f"MultiWorkerMirroredStrategy(num_workers={c.num_workers}, worker_id={c.worker_id}, "
             f"num_replicas_in_sync={self.num_replicas_in_sync})"
         )
+
+
+def _reads_files(dataset: Any) -> bool:
+    """Whether ``dataset`` reads files (a ``distribute.data`` file source, or a wrapped tf.data dataset)."""
+    return getattr(dataset, "_files_root", None) is not None or getattr(dataset, "_tf_source", None) is not None

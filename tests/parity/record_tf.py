@@ -5,6 +5,7 @@ Run from the repository root with a virtualenv that has tensorflow-cpu==2.21.0:
     python3 -m venv /work/tfvenv
     /work/tfvenv/bin/pip install tensorflow-cpu==2.21.0 numpy
     /work/tfvenv/bin/python tests/parity/record_tf.py
+    /work/tfvenv/bin/python tests/parity/record_tf.py --only data   # one section, merged in
 
 The output is plain JSON (nested lists of numbers, per replica where distributed),
 so the test suite reads it without TensorFlow. Every case runs in its own child
@@ -547,6 +548,13 @@ def _two_strategies_collective_reuse():
 
 add_task(("tf_quirks", "two_mirrored_strategies_one_process_gather"), _two_strategies_collective_reuse)
 
+# ------------------------------------------------------------------- data ---
+# tf.data names, element_spec, from_generator, distributed input (record_tf_data.py).
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import record_tf_data  # noqa: E402
+
+record_tf_data.register(add_task, py, local, mirrored, guarded)
+
 
 # ------------------------------------------------------------------- main ---
 
@@ -579,7 +587,8 @@ def _set(tree, path, value):
     tree[path[-1]] = value
 
 
-def main():
+def main(only=None):
+    """Records every task; with ``only`` (a section name, e.g. "data") re-records that section into the existing file."""
     import concurrent.futures
     import subprocess
     import tempfile
@@ -602,11 +611,19 @@ def main():
         },
     }
     order = ["batch_split", "gather_reduce_partial_batches", "reduce", "losses", "replica_context",
-             "keras_fit", "custom_loop", "errors", "tf_quirks"]
-    for k in order:
-        result[k] = {}
+             "keras_fit", "custom_loop", "errors", "tf_quirks", "data"]
+    if only is not None:
+        with open(OUT) as f:
+            previous = json.load(f)
+        previous["meta"] = result["meta"]
+        previous[only] = {}
+        result = previous
+    else:
+        for k in order:
+            result[k] = {}
     for path, value in VALUES:
-        _set(result, path, value)
+        if only is None or path[0] == only:
+            _set(result, path, value)
 
     tmp = tempfile.mkdtemp(prefix="record_tf_")
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", KERAS_BACKEND="tensorflow")
@@ -623,9 +640,10 @@ def main():
 
     workers = max(1, min(8, (os.cpu_count() or 2)))
     with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-        futures = [pool.submit(run_child, i) for i in range(len(TASKS))]
+        chosen = [i for i, (path, _) in enumerate(TASKS) if only is None or path[0] == only]
+        futures = [pool.submit(run_child, i) for i in chosen]
         results = []
-        for (path, _), fut in zip(TASKS, futures):
+        for (path, _), fut in zip([TASKS[i] for i in chosen], futures):
             results.append((path, fut.result()))
             print("done", "/".join(path), flush=True)
     # Insert in registration order so the JSON layout is stable.
@@ -641,5 +659,7 @@ def main():
 if __name__ == "__main__":
     if len(sys.argv) >= 2 and sys.argv[1] == "--task":
         _child(int(sys.argv[2]), sys.argv[3])
+    elif len(sys.argv) >= 3 and sys.argv[1] == "--only":
+        main(sys.argv[2])
     else:
         main()

@@ -1,9 +1,20 @@
 """tf.data-style input pipelines over grain: ``Dataset``, ``Options`` and constants.
 
 ``Dataset`` has ``tf.data.Dataset``'s names and semantics (TensorFlow 2.21),
-yields numpy values, and runs on grain.
+yields numpy values, and runs on grain. ``TextLineDataset``,
+``NumpyFileDataset`` and ``ArrayRecordDataset`` read files (split by file
+between workers under ``AutoShardPolicy.FILE``). A ``tf.data.Dataset`` or a
+grain ``MapDataset``/``IterDataset`` is accepted wherever a ``Dataset`` is.
+
+Importing this package lets Keras ``fit``/``evaluate``/``predict`` read a
+``Dataset`` even when no strategy exists (``keras_support.data_adapter``).
 """
 
+from distribute.data import experimental
+from distribute.data._files import array_record_dataset as ArrayRecordDataset
+from distribute.data._files import numpy_file_dataset as NumpyFileDataset
+from distribute.data._files import text_line_dataset as TextLineDataset
+from distribute.data._spec import TensorSpec
 from distribute.data.dataset import Dataset, DatasetIterator
 from distribute.data.options import (
     AUTOTUNE,
@@ -18,9 +29,23 @@ __all__ = [
     "AUTOTUNE",
     "INFINITE_CARDINALITY",
     "UNKNOWN_CARDINALITY",
+    "ArrayRecordDataset",
     "AutoShardPolicy",
     "Dataset",
     "DatasetIterator",
     "DistributeOptions",
+    "NumpyFileDataset",
     "Options",
+    "TensorSpec",
+    "TextLineDataset",
+    "experimental",
 ]
+
+
+def _install_keras_adapter() -> None:
+    from distribute.keras_support import data_adapter
+
+    data_adapter.install()
+
+
+_install_keras_adapter()

@@ -230,16 +230,30 @@ class BatchNode:
 
 @dataclasses.dataclass
 class ShuffleNode:
-    """grain's window shuffle; a window as large as the dataset is a full shuffle."""
+    """Window shuffle with the same permutations as ``_plan.ShufflePlan``, so one seed gives one order.
+
+    Consecutive windows of ``buffer_size`` elements are each permuted by a
+    numpy Generator seeded from the stream; a window as large as the dataset is
+    a full shuffle.
+    """
 
     parent: Node
     buffer_size: int
     seeds: _plan.SeedStream
 
     def build(self) -> grain.IterDataset:
-        seed = int(self.seeds.next().generate_state(1)[0] >> 1)
-        return grain_experimental.WindowShuffleIterDataset(self.parent.build(),
-                                                           window_size=self.buffer_size, seed=seed)
+        return _PyIterDataset(self._elements)
+
+    def _elements(self) -> Iterator[Any]:
+        rng = np.random.default_rng(self.seeds.next())
+        window: list[Any] = []
+        for element in self.parent.build():
+            window.append(element)
+            if len(window) == self.buffer_size:
+                yield from (window[i] for i in rng.permutation(len(window)))
+                window = []
+        if window:
+            yield from (window[i] for i in rng.permutation(len(window)))
 
 
 @dataclasses.dataclass

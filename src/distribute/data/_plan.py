@@ -16,6 +16,8 @@ of row numbers, one per batch. The index transformations work on either kind.
 from __future__ import annotations
 
 import abc
+import contextlib
+import contextvars
 import functools
 import itertools
 import operator
@@ -25,9 +27,20 @@ from typing import Any
 
 import numpy as np
 
-from distribute.data import _checks, _structure
+from distribute.data import _checks, _spec, _structure
 
 CHUNK_ROWS = 1 << 16  # source rows per chunk for sequential sources
+_PEEKING: contextvars.ContextVar[bool] = contextvars.ContextVar("distribute_data_peeking", default=False)
+
+
+@contextlib.contextmanager
+def peeking() -> Any:
+    """Within: iterations draw no new shuffle seeds (a look at the first element is not a pass)."""
+    token = _PEEKING.set(True)
+    try:
+        yield
+    finally:
+        _PEEKING.reset(token)
 
 
 class SeedStream:
@@ -43,10 +56,23 @@ class SeedStream:
         self._base = secrets.randbits(63) if seed is None else int(seed) % (1 << 64)
         self._reshuffle = reshuffle
         self._count = itertools.count()
+        self.agreed = seed is not None  # an unseeded stream's base is agreed between workers once
+
+    @property
+    def base(self) -> int:
+        """The seed every iteration's seed derives from (random when no seed was given)."""
+        return self._base
+
+    def agree(self, base: int) -> None:
+        """Uses ``base`` (the value every worker agreed on) from now on."""
+        self._base, self.agreed = int(base), True
 
     def next(self) -> np.random.SeedSequence:
-        """Returns the seed material for the next iteration."""
-        iteration = next(self._count) if self._reshuffle else 0
+        """Returns the seed material for the next iteration (a peek gets the next one without using it up)."""
+        if _PEEKING.get():
+            iteration = 0
+        else:
+            iteration = next(self._count) if self._reshuffle else 0
         return np.random.SeedSequence([self._base, iteration])
 
 
@@ -103,6 +129,10 @@ class SliceSource(Source):
     def __len__(self) -> int:
         return self._length
 
+    def element_spec(self) -> Any:
+        """The spec of one row: each array's shape without dim 0, and its dtype."""
+        return _spec.map_specs(lambda leaf: _spec.TensorSpec(leaf.shape[1:], _spec.as_dtype(leaf.dtype)), self._arrays)
+
     def element(self, row: int) -> Any:
         return self._assemble([_row(leaf, row) for leaf in self._leaves])
 
@@ -119,7 +149,7 @@ def _assembler(arrays: Any, num_leaves: int) -> Callable[[list[Any]], Any]:
     """Returns a fast function from a list of leaves to an element shaped like ``arrays``."""
     if not _structure.is_structure(arrays):
         return operator.itemgetter(0)
-    if type(arrays) is tuple and len(arrays) == num_leaves:
+    if type(arrays) is tuple and len(arrays) == num_leaves and not any(_structure.is_structure(a) for a in arrays):
         return tuple
     return functools.partial(_structure.unflatten, arrays)
 

@@ -7,41 +7,43 @@ Datasets built from in-memory arrays (``from_tensor_slices``, ``range``)
 followed only by ``shuffle``/``take``/``skip``/``shard``/``repeat``/``cache``
 and one ``batch`` run on a vectorised index plan (see ``_plan``): a batch is
 one fancy-index per array. Everything else runs on grain ``IterDataset``
-transformations (see ``_pipeline``). Both follow tf.data's semantics; a seeded
-shuffle is reproducible on either path, though the two paths (numpy
-permutations vs grain's window shuffle) give different orders for one seed.
+transformations (see ``_pipeline``, ``_combine``). Both follow tf.data's
+semantics, and a shuffle gives the same order for one seed on either path
+(the same numpy window permutations).
+
+Sources are in ``_sources`` and the combining methods (``zip``,
+``padded_batch``, ``interleave``, ``element_spec``...) in ``_more``; both are
+base classes of ``Dataset``.
 """
 
 from __future__ import annotations
 
 import copy
-import dataclasses
 from collections.abc import Callable
 from typing import Any
 
 import grain
-import numpy as np
 
-from distribute.data import _cardinality, _checks, _pipeline, _plan
-from distribute.data.options import AUTOTUNE, INFINITE_CARDINALITY, UNKNOWN_CARDINALITY, Options
+from distribute.data import (
+    _cardinality,
+    _checks,
+    _combine,
+    _more,
+    _pipeline,
+    _plan,
+    _sources,
+    _spec,
+    _structure,
+)
+from distribute.data.options import (
+    AUTOTUNE,
+    INFINITE_CARDINALITY,
+    UNKNOWN_CARDINALITY,
+    Options,
+)
 
 _AUTOTUNE_PREFETCH = 2  # buffer used for prefetch(AUTOTUNE)
 _KEEP = object()  # _derive(): keep the parent's batch info
-
-
-@dataclasses.dataclass(frozen=True)
-class _ArrayState:
-    """The vectorised form of an in-memory dataset: a source and its row order."""
-
-    source: _plan.Source
-    plan: _plan.Plan
-    batched: bool
-
-    def with_plan(self, plan: _plan.Plan, batched: bool | None = None) -> _ArrayState:
-        return _ArrayState(self.source, plan, self.batched if batched is None else batched)
-
-    def node(self) -> _pipeline.Node:
-        return _pipeline.PlanNode(self.source, self.plan, self.batched)
 
 
 class DatasetIterator:
@@ -69,7 +71,7 @@ class DatasetIterator:
         self._iterator.close()
 
 
-class Dataset:
+class Dataset(_sources.SourcesMixin, _more.MoreMixin):
     """A tf.data-style input pipeline: an immutable description, iterated any number of times.
 
     Create one with ``from_tensor_slices``, ``range`` or ``from_generator``,
@@ -90,18 +92,29 @@ class Dataset:
 
     @classmethod
     def _create(cls, node: _pipeline.Node, cardinality: int, batch_info: tuple[int, bool] | None,
-                options: Options, array: _ArrayState | None) -> Dataset:
+                options: Options, array: _sources.ArrayState | None, spec: Any = None,
+                seeds: tuple[_plan.SeedStream, ...] = ()) -> Dataset:
+        """A new dataset. ``spec``: its element_spec, or a zero-argument function computing it.
+
+        ``seeds``: the SeedStreams of the unseeded random ops upstream (workers
+        agree on them, see ``_random_seeds``).
+        """
         dataset = cls.__new__(cls)
         dataset._node = node
         dataset._cardinality_value = cardinality
         dataset._batch_info_value = batch_info
         dataset._options_value = options
         dataset._array = array
+        dataset._spec_source = spec
+        dataset._seeds = seeds
+        dataset._files_root = None  # a file source upstream (see _files.py), for AutoShardPolicy.FILE
+        dataset._recipe = None  # (parent, method name, args, kwargs) when _files_root is set
         return dataset
 
     def _derive(self, cardinality: int | None = None, node: _pipeline.Node | None = None,
-                array: _ArrayState | None = None, batch_info: Any = _KEEP,
-                options: Options | None = None) -> Dataset:
+                array: _sources.ArrayState | None = None, batch_info: Any = _KEEP,
+                options: Options | None = None, spec: Any = _KEEP,
+                seeds: tuple[_plan.SeedStream, ...] = ()) -> Dataset:
         """Returns a child dataset; with ``array`` the node is derived from it."""
         if array is not None:
             node = array.node()
@@ -110,88 +123,13 @@ class Dataset:
             cardinality=self._cardinality_value if cardinality is None else cardinality,
             batch_info=self._batch_info_value if batch_info is _KEEP else batch_info,
             options=self._options_value if options is None else options,
-            array=array)
-
-    # ----------------------------------------------------------------- sources
-
-    @staticmethod
-    def from_tensor_slices(tensors: Any) -> Dataset:
-        """Creates a dataset whose i-th element is row i of every array in ``tensors``.
-
-        Matches ``tf.data.Dataset.from_tensor_slices``: tuples and dicts are the
-        element structure, lists are data. Python floats become float32 and
-        Python ints int32, as in TensorFlow; numpy arrays keep their dtype.
-        The arrays are read in place, not copied; yielded values are copies.
-
-        Args:
-          tensors: an array, or a tuple/dict (possibly nested) of arrays, all
-            with the same size in dim 0: ``(num_elements, ...)``.
-
-        Returns:
-          A dataset of ``num_elements`` elements with leaves of shape ``(...)``.
-
-        Raises:
-          ValueError: a component is a scalar, the structure is empty, or the
-            components differ in dim 0 (the error names each one's size).
-        """
-        source = _plan.SliceSource.from_tensors(tensors)
-        array = _ArrayState(source, _plan.SourcePlan(len(source)), batched=False)
-        return Dataset._create(array.node(), len(source), None, Options(), array)
-
-    @staticmethod
-    def range(*args: int, output_type: Any = np.int64) -> Dataset:
-        """Creates a dataset of evenly spaced integers, like Python's ``range``.
-
-        Matches ``tf.data.Dataset.range``: ``range(stop)``, ``range(start, stop)``
-        or ``range(start, stop, step)``; elements are int64 scalars unless
-        ``output_type`` says otherwise. Nothing is materialised.
-
-        Args:
-          *args: one to three ints.
-          output_type: numpy dtype of the elements (default ``np.int64``).
-
-        Returns:
-          A dataset of ``len(range(*args))`` scalars.
-
-        Raises:
-          TypeError: wrong number of arguments or a non-int argument.
-          ValueError: ``step`` is 0.
-        """
-        source = _plan.RangeSource.from_args(args, np.dtype(output_type))
-        array = _ArrayState(source, _plan.SourcePlan(len(source)), batched=False)
-        return Dataset._create(array.node(), len(source), None, Options(), array)
-
-    @staticmethod
-    def from_generator(generator: Callable[[], Any], output_signature: Any = None) -> Dataset:
-        """Creates a dataset from a Python generator function.
-
-        Matches ``tf.data.Dataset.from_generator``: ``generator`` is called
-        anew for every pass (so ``repeat`` re-runs it). The cardinality is
-        ``UNKNOWN_CARDINALITY``.
-
-        Args:
-          generator: a callable taking no arguments and returning an iterator.
-          output_signature: optional structure (tuple/dict) of specs with
-            ``shape`` and ``dtype`` (``tf.TensorSpec``-like, ``None`` dims
-            allowed); yielded values are checked against it and cast to its
-            dtypes. Without it values are converted like ``from_tensor_slices``.
-
-        Returns:
-          A dataset of the generated elements.
-
-        Raises:
-          TypeError: ``generator`` is not callable (e.g. a generator object was
-            passed instead of the function that makes one).
-        """
-        if not callable(generator):
-            raise TypeError(f"from_generator(): generator must be a callable that returns an iterator, got "
-                            f"{type(generator).__name__}; pass the function itself, e.g. "
-                            "from_generator(gen) rather than from_generator(gen()).")
-        node = _pipeline.GeneratorNode(generator, output_signature)
-        return Dataset._create(node, UNKNOWN_CARDINALITY, None, Options(), None)
+            array=array,
+            spec=self._spec_source if spec is _KEEP else spec,
+            seeds=self._seeds + seeds)
 
     # --------------------------------------------------------- transformations
 
+    @_more.recorded
     def shuffle(self, buffer_size: int, seed: int | None = None,
                 reshuffle_each_iteration: bool | None = None) -> Dataset:
         """Randomly shuffles the elements (``tf.data.Dataset.shuffle``).
@@ -218,10 +156,13 @@ class Dataset:
         reshuffle = True if reshuffle_each_iteration is None else _checks.boolean(
             reshuffle_each_iteration, "reshuffle_each_iteration", "shuffle()")
         seeds = _plan.SeedStream(_checks.seed(seed), reshuffle)
+        unseeded = () if seed is not None else (seeds,)
         if self._array is not None:
-            return self._derive(array=self._array.with_plan(_plan.ShufflePlan(self._array.plan, size, seeds)))
-        return self._derive(node=_pipeline.ShuffleNode(self._node, size, seeds))
+            return self._derive(array=self._array.with_plan(_plan.ShufflePlan(self._array.plan, size, seeds)),
+                                seeds=unseeded)
+        return self._derive(node=_pipeline.ShuffleNode(self._node, size, seeds), seeds=unseeded)
 
+    @_more.recorded
     def batch(self, batch_size: int, drop_remainder: bool = False, num_parallel_calls: int | None = None,
               deterministic: bool | None = None) -> Dataset:
         """Stacks consecutive elements into batches (``tf.data.Dataset.batch``).
@@ -247,12 +188,15 @@ class Dataset:
         _checks.parallel_calls(num_parallel_calls)
         _checks.optional_bool(deterministic, "deterministic", "batch()")
         cardinality = _cardinality.batch(self._cardinality_value, size, drop)
+        spec = self._lazy_spec(lambda parent: _spec.batched(parent, size if drop else None))
         if self._array is not None and not self._array.batched:
             plan = _plan.BatchPlan(self._array.plan, size, drop)
             return self._derive(cardinality, array=self._array.with_plan(plan, batched=True),
-                                batch_info=(size, drop))
-        return self._derive(cardinality, node=_pipeline.BatchNode(self._node, size, drop), batch_info=(size, drop))
+                                batch_info=(size, drop), spec=spec)
+        return self._derive(cardinality, node=_pipeline.BatchNode(self._node, size, drop), batch_info=(size, drop),
+                            spec=spec)
 
+    @_more.recorded
     def map(self, map_func: Callable[..., Any], num_parallel_calls: int | None = None,
             deterministic: bool | None = None) -> Dataset:
         """Applies ``map_func`` to every element (``tf.data.Dataset.map``).
@@ -260,14 +204,18 @@ class Dataset:
         A tuple element is passed as positional arguments (``map_func(x, y)``);
         any other element, dicts included, as one argument. The result is
         converted to numpy (a returned list becomes a tuple, as in tf.data).
-        ``map_func`` runs as plain Python, in order, on the iterating thread (or
-        the ``prefetch`` thread); ``num_parallel_calls`` and ``deterministic``
-        are validated but do not change the output.
+        ``map_func`` runs as plain Python. Without ``num_parallel_calls`` it
+        runs in order on the iterating thread (or the ``prefetch`` thread); with
+        ``num_parallel_calls=N`` it runs on N threads (``AUTOTUNE``: one per CPU
+        core, at most 16), with at most 2 N elements in flight. Threads overlap
+        work that releases the GIL (numpy, I/O, decoding); pure-Python work does
+        not get faster.
 
         Args:
           map_func: function from an element to a new element.
-          num_parallel_calls: None, AUTOTUNE or an int >= 1.
-          deterministic: None or bool.
+          num_parallel_calls: None (sequential), AUTOTUNE or an int >= 1.
+          deterministic: None or True keep the input order (as tf.data's
+            default); False yields elements as they finish.
 
         Returns:
           The mapped dataset; same cardinality and ``_batch_info``.
@@ -276,10 +224,19 @@ class Dataset:
           TypeError: ``map_func`` is not callable; ValueError: bad ``num_parallel_calls``.
         """
         fn = _checks.callable_arg(map_func, "map_func", "map()")
-        _checks.parallel_calls(num_parallel_calls)
-        _checks.optional_bool(deterministic, "deterministic", "map()")
-        return self._derive(node=_pipeline.MapNode(self._node, fn))
+        threads = _checks.parallel_calls(num_parallel_calls)
+        ordered = _checks.optional_bool(deterministic, "deterministic", "map()") is not False
+        spec = self._lazy_spec(lambda parent: _more.traced_or_error(
+            lambda element: _structure.normalize_fn_output(_structure.call_unpacked(fn, element)), parent, "map()"))
+        if threads is None or threads == 1:
+            return self._derive(node=_pipeline.MapNode(self._node, fn), spec=spec)
+        num_threads = _more.autotune_threads() if threads == AUTOTUNE else threads
+        node = _combine.ParallelMapNode(
+            self._node, lambda element: _structure.normalize_fn_output(_structure.call_unpacked(fn, element)),
+            num_threads, ordered)
+        return self._derive(node=node, spec=spec)
 
+    @_more.recorded
     def filter(self, predicate: Callable[..., Any]) -> Dataset:
         """Keeps the elements for which ``predicate`` is True (``tf.data.Dataset.filter``).
 
@@ -298,6 +255,7 @@ class Dataset:
         fn = _checks.callable_arg(predicate, "predicate", "filter()")
         return self._derive(UNKNOWN_CARDINALITY, node=_pipeline.FilterNode(self._node, fn))
 
+    @_more.recorded
     def prefetch(self, buffer_size: int) -> Dataset:
         """Prepares up to ``buffer_size`` elements ahead on a background thread.
 
@@ -316,6 +274,7 @@ class Dataset:
         size = _AUTOTUNE_PREFETCH if size == AUTOTUNE else size
         return self._derive(node=_pipeline.PrefetchNode(self._node, size))
 
+    @_more.recorded
     def repeat(self, count: int | None = None) -> Dataset:
         """Repeats the dataset ``count`` times; None or -1 repeats forever.
 
@@ -340,6 +299,7 @@ class Dataset:
             return self._derive(cardinality, array=self._array.with_plan(_plan.RepeatPlan(self._array.plan, plan_count)))
         return self._derive(cardinality, node=_pipeline.RepeatNode(self._node, plan_count))
 
+    @_more.recorded
     def take(self, count: int) -> Dataset:
         """Keeps the first ``count`` elements; -1 keeps all (``tf.data.Dataset.take``).
 
@@ -360,6 +320,7 @@ class Dataset:
             return self._derive(cardinality, array=self._array.with_plan(_plan.TakePlan(self._array.plan, number)))
         return self._derive(cardinality, node=_pipeline.TakeNode(self._node, number))
 
+    @_more.recorded
     def skip(self, count: int) -> Dataset:
         """Drops the first ``count`` elements; -1 drops all (``tf.data.Dataset.skip``).
 
@@ -382,6 +343,7 @@ class Dataset:
         node = _pipeline.EmptyNode() if number == -1 else _pipeline.SliceNode(self._node, number, 1)
         return self._derive(cardinality, node=node)
 
+    @_more.recorded
     def shard(self, num_shards: int, index: int) -> Dataset:
         """Keeps elements ``index, index + num_shards, ...`` (``tf.data.Dataset.shard``).
 
@@ -409,6 +371,7 @@ class Dataset:
             return self._derive(cardinality, array=self._array.with_plan(plan))
         return self._derive(cardinality, node=_pipeline.SliceNode(self._node, position, shards))
 
+    @_more.recorded
     def cache(self, filename: str = "") -> Dataset:
         """Caches the elements of the first complete pass in memory and replays them.
 
@@ -434,6 +397,7 @@ class Dataset:
             return self._derive(array=self._array.with_plan(_plan.CachePlan(self._array.plan)))
         return self._derive(node=_pipeline.CacheNode(self._node))
 
+    @_more.recorded
     def with_options(self, options: Options) -> Dataset:
         """Returns this dataset with ``options`` merged in (options set later win).
 
@@ -481,8 +445,12 @@ class Dataset:
 
     @property
     def _batch_info(self) -> tuple[int, bool] | None:
-        """``(batch_size, drop_remainder)`` of the last ``batch()`` upstream, or None if never batched."""
-        return self._batch_info_value
+        """``(batch_size, drop_remainder)`` of the last ``batch()`` upstream, or None if never batched.
+
+        A tf.data or grain dataset (``_foreign``) finds it when first asked.
+        """
+        info = self._batch_info_value
+        return info.get() if hasattr(info, "get") else info
 
     def __iter__(self) -> DatasetIterator:
         """Starts a new pass; yields numpy elements."""
@@ -491,6 +459,10 @@ class Dataset:
     def as_numpy_iterator(self) -> DatasetIterator:
         """Returns an iterator over numpy elements (``tf.data.Dataset.as_numpy_iterator``)."""
         return iter(self)
+
+    def _lazy_spec(self, fn: Callable[[Any], Any]) -> Callable[[], Any]:
+        """A lazy element_spec: ``fn`` of this dataset's element_spec, computed when first read."""
+        return lambda: fn(self.element_spec)
 
     def __repr__(self) -> str:
         return f"<Dataset cardinality={self._cardinality_value} batch_info={self._batch_info_value}>"
