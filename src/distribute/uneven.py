@@ -149,13 +149,14 @@ class ThreadedReplicaContext(ReplicaContext):
         self._meeting = meeting
         self._calls = 0
         self._device = strategy.extended._local_devices[local_index]
+        self._first = replica - local_index
 
     @property
     def replica_id_in_sync_group(self) -> Any:
         return jnp.asarray(self._replica, jnp.int32)
 
     # -- the meeting ------------------------------------------------------------------
-    def _meet(self, value: Any, combine: Callable[[list], list]) -> Any:
+    def _meet(self, value: Any, combine: Callable[[list], list], what: str) -> Any:
         for leaf in jax.tree_util.tree_leaves(value):
             if isinstance(leaf, jax.core.Tracer):
                 raise TypeError(
@@ -166,7 +167,20 @@ class ThreadedReplicaContext(ReplicaContext):
                     "the transformation, or drop the uneven batch (batch(..., drop_remainder=True))."
                 )
         self._calls += 1
-        return self._meeting.exchange(self._local, value, combine)
+        signature = (what, jax.tree_util.tree_structure(value))
+
+        def checked(entries: list) -> list:
+            signatures = [sig for sig, _ in entries]
+            if any(sig != signatures[0] for sig in signatures):
+                kinds = ", ".join(f"replica {self._first + r}: {sig[0]}" for r, sig in enumerate(signatures))
+                raise RuntimeError(
+                    f"The replicas of an uneven step made different collective calls at collective "
+                    f"#{self._calls} ({kinds}). Every replica must make the same collective calls "
+                    "(all_reduce, all_gather, apply_gradients) in the same order, whatever its number of rows."
+                )
+            return combine([v for _, v in entries])
+
+        return self._meeting.exchange(self._local, (signature, value), checked)
 
     def _sum_tree(self, tree: Any) -> Any:
         """Sum over every replica (all workers) of each leaf of ``tree``; every replica gets it."""
@@ -177,7 +191,7 @@ class ThreadedReplicaContext(ReplicaContext):
         def combine(per_replica: list) -> list:
             return _sum_over_replicas(strategy, [list(col) for col in zip(*per_replica)])
 
-        return jax.tree_util.tree_unflatten(treedef, self._meet(leaves, combine))
+        return jax.tree_util.tree_unflatten(treedef, self._meet(leaves, combine, "all_reduce"))
 
     def _sum(self, tree: Any) -> Any:
         """Differentiable sum over replicas (the gradient of a sum is a sum)."""
@@ -192,7 +206,7 @@ class ThreadedReplicaContext(ReplicaContext):
             every = _everyone(strategy, [list(col) for col in zip(*per_replica)])
             return [every] * len(per_replica)
 
-        return jax.tree_util.tree_unflatten(treedef, self._meet([jnp.asarray(x) for x in leaves], combine))
+        return jax.tree_util.tree_unflatten(treedef, self._meet([jnp.asarray(x) for x in leaves], combine, "exchange"))
 
     def _gather_tree(self, tree: Any, axis: int) -> Any:
         """Concatenation of every replica's leaves along ``axis``, shapes may differ along it."""
@@ -203,7 +217,7 @@ class ThreadedReplicaContext(ReplicaContext):
         def combine(per_replica: list) -> list:
             return _gather_over_replicas(strategy, [list(col) for col in zip(*per_replica)], axis)
 
-        return jax.tree_util.tree_unflatten(treedef, self._meet(leaves, combine))
+        return jax.tree_util.tree_unflatten(treedef, self._meet(leaves, combine, "all_gather"))
 
     # -- public collectives ---------------------------------------------------------------
     def all_reduce(self, reduce_op: ReduceOp | str, value: Any, options: Any = None) -> Any:
@@ -238,6 +252,8 @@ class ThreadedReplicaContext(ReplicaContext):
         """
         from distribute.replica import different_values_error
 
+        if not variables:
+            return []
         new = [jnp.asarray(n, dtype=o.dtype) for n, o in zip(new, old)]
         first = self._replica == 0
         summed = [v.aggregation == "sum" for v in variables]

@@ -555,6 +555,11 @@ import record_tf_data  # noqa: E402
 
 record_tf_data.register(add_task, py, local, mirrored, guarded)
 
+# What replica code sees on uneven batches (record_tf_uneven.py).
+import record_tf_uneven  # noqa: E402
+
+record_tf_uneven.register(add_task, py, local, mirrored, guarded)
+
 
 # ------------------------------------------------------------------- main ---
 
@@ -611,7 +616,7 @@ def main(only=None):
         },
     }
     order = ["batch_split", "gather_reduce_partial_batches", "reduce", "losses", "replica_context",
-             "keras_fit", "custom_loop", "errors", "tf_quirks", "data"]
+             "keras_fit", "custom_loop", "errors", "tf_quirks", "data", "uneven"]
     if only is not None:
         with open(OUT) as f:
             previous = json.load(f)

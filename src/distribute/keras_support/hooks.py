@@ -11,6 +11,9 @@ outside a strategy:
   ``apply_gradients``) and refuses to run for another strategy;
 * a metric created in scope remembers the strategy (to refuse another
   strategy's steps);
+* ``BatchNormalization(synchronized=True)`` (Keras 3 allows it on TensorFlow
+  only) computes its batch moments over every replica's rows, as TF's
+  SyncBatchNormalization: sums, squared sums and counts are all-reduced;
 * in an uneven step, an activity regularizer's loss is rescaled from Keras'
   "divided by this replica's rows" to "divided by the global batch's rows", so
   the replicas' losses add up to one device's;
@@ -24,6 +27,7 @@ outside a strategy:
 from __future__ import annotations
 
 import functools
+import inspect
 import weakref
 from typing import Any
 
@@ -44,6 +48,7 @@ def install() -> None:
         return
     from keras.src.backend.jax.core import JaxVariable
     from keras.src.layers.layer import Layer
+    from keras.src.layers.normalization.batch_normalization import BatchNormalization
     from keras.src.metrics.metric import Metric
     from keras.src.optimizers.base_optimizer import BaseOptimizer
     from keras.src.random.seed_generator import SeedGenerator
@@ -58,6 +63,8 @@ def install() -> None:
     trainer.install()
     install_per_thread_attributes()
     _install_activity_regularizer_property(Layer)
+    _patch(BatchNormalization, "__init__", _batch_norm_init)
+    _patch(BatchNormalization, "_moments", _batch_norm_moments)
     _INSTALLED.append(True)
 
 
@@ -108,6 +115,64 @@ def _metric_init(original):
         original(self, *args, **kwargs)
 
     return __init__
+
+
+def _batch_norm_init(original):
+    def __init__(self, *args, **kwargs):
+        synchronized = kwargs.pop("synchronized", False)
+        original(self, *args, synchronized=False, **kwargs)
+        # Keras 3 refuses synchronized=True outside TensorFlow; the moments below do it.
+        self.synchronized = bool(synchronized)
+
+    # Keras' Operation.__new__ reads the constructor's argspec: keep Keras' own.
+    __init__.__signature__ = inspect.signature(original)
+    return __init__
+
+
+def _batch_norm_moments(original):
+    """Moments over every replica's rows for ``synchronized=True`` (TF's SyncBatchNormalization).
+
+    As TF: the sum, the sum of squares and the count of the reduced elements are
+    all-reduced, ``mean = sum / count``, ``variance = sum_sq / count - mean**2``.
+    Differentiable (the all-reduce's gradient is an all-reduce); a replica with no
+    rows adds zeros; outside a replica context it is the layer's own moments.
+    Unsynchronized, an empty replica's moments are 0 and 1 instead of NaN.
+    """
+
+    def _moments(self, inputs, mask):
+        if not self.synchronized:
+            if any(inputs.shape[a] == 0 for a in self._reduction_axes):
+                # An empty replica of an uneven step: Keras' moments would be NaN (0 / 0)
+                # and poison the gradients; its output is empty, and its moving
+                # statistics are left out of the replicas' mean (uneven.py).
+                shape = [d for i, d in enumerate(inputs.shape) if i not in self._reduction_axes]
+                return jnp.zeros(shape, inputs.dtype), jnp.ones(shape, inputs.dtype)
+            return original(self, inputs, mask)
+        if mask is not None:
+            raise NotImplementedError(
+                "BatchNormalization(synchronized=True) with a mask is not supported; pass no mask, "
+                "or use synchronized=False."
+            )
+        context = _context.current_replica_context()
+        axes = tuple(self._reduction_axes)
+        x = jnp.asarray(inputs)
+        dtype = x.dtype
+        if dtype in (jnp.float16, jnp.bfloat16):
+            x = x.astype(jnp.float32)
+        count = 1
+        for axis in axes:
+            count *= x.shape[axis]
+        local = (jnp.sum(x, axis=axes), jnp.sum(jnp.square(x), axis=axes), jnp.asarray(count, jnp.float32))
+        if context is not None and context._in_program and context.num_replicas_in_sync > 1:
+            total, total_sq, total_count = context.all_reduce("SUM", local)
+        else:
+            total, total_sq, total_count = local
+        total_count = jnp.maximum(total_count, 1.0)
+        mean = total / total_count
+        variance = jnp.maximum(total_sq / total_count - jnp.square(mean), 0.0)
+        return mean.astype(dtype), variance.astype(dtype)
+
+    return _moments
 
 
 def _install_activity_regularizer_property(layer_cls: type) -> None:

@@ -111,6 +111,9 @@ def _loss(model, trainable, non_trainable, metrics_vars, x, y, loss_weight, trai
         # an unreduced (0,) array there); it still adds its share of the layers' losses.
         trackers = getattr(getattr(model, "_compile_loss", None), "metrics", None) or []
         loss = sum((jnp.sum(l) / num_replicas for l in layer_losses), jnp.zeros((), jnp.float32))
+        # Depend on the (empty) outputs, so the backward pass meets the other replicas at
+        # every collective of the forward pass (synchronized BatchNorm).
+        loss = loss + sum(jnp.sum(p).astype(jnp.float32) for p in tree.flatten(y_pred))
         return loss, y_pred, non_trainable, metrics_vars, [jnp.zeros((), jnp.float32) for _ in trackers]
     if layer_losses:
         # Every replica adds the layers' losses; each adds its share.
