@@ -193,7 +193,7 @@ def test_main_job_invalid_data_exits_1_with_one_line(tmp_path, kind, needle):
     result = _run(["-m", "distribute", "train", "--data", str(path), "--output", "o"], tmp_path, timeout=120)
     assert result.returncode == 1
     assert result.stderr.count("\n") == 1, result.stderr
-    assert result.stderr.startswith(f"python -m distribute train: error: "), result.stderr
+    assert result.stderr.startswith("python -m distribute train: error: "), result.stderr
     assert str(path) in result.stderr and needle in result.stderr, result.stderr
     assert "Traceback" not in result.stderr
     assert not (tmp_path / "o").exists()

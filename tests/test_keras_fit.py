@@ -6,7 +6,6 @@ import keras
 import numpy as np
 import pytest
 
-import distribute
 from distribute.data import Dataset
 from helpers import mirrored
 

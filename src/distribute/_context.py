@@ -31,6 +31,24 @@ _STATE: contextvars.ContextVar[_State] = contextvars.ContextVar(
 )
 
 
+_DEFAULT_STRATEGY: list = []  # a factory, registered by strategy.py (which sits above this module)
+
+
+def register_default_strategy(factory) -> None:
+    """Registers the function that returns the default strategy (called once, by strategy.py)."""
+    _DEFAULT_STRATEGY[:] = [factory]
+
+
+def current_strategy() -> "Strategy":
+    """The strategy whose scope is active, else the default strategy (``distribute.get_strategy``)."""
+    strategy = _STATE.get().strategy
+    if strategy is not None:
+        return strategy
+    if not _DEFAULT_STRATEGY:
+        import distribute.strategy  # noqa: F401 - registers the default strategy
+    return _DEFAULT_STRATEGY[0]()
+
+
 def state() -> _State:
     return _STATE.get()
 

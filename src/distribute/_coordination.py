@@ -356,7 +356,7 @@ def _agree_on_seed(exchange: _Exchange) -> None:
 
     Variables are initialized on every worker and must be identical there.
     """
-    from keras.src.utils import rng_utils
+    from distribute._keras import rng_utils
 
     if rng_utils.get_random_seed() is not None:
         return

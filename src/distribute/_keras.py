@@ -1,20 +1,86 @@
-"""The Keras seam for replica threads: private Keras state that an uneven step must handle.
+"""The Keras seam: every private Keras name this package uses, and every patch it makes.
 
-Keras keeps some settings per thread (``keras.src.backend.common.global_state``:
-the dtype policy, the autocast scope, the current Keras distribution); an
-uneven step runs every replica in a thread of its own, which must see the
-caller's settings.  And some per-call state lives on shared Keras objects
-(``Layer._losses_override``); it is made per thread here.
+Keras keeps each backend behind a few functions and classes; this package
+reaches into ``keras.src`` for the ones tf.distribute's model needs (stateless
+scopes to lift variables into programs, the JAX trainer's step functions, the
+classes it patches).  They are all imported here, once, after a Keras version
+check; ``patch`` refuses an attribute this Keras no longer has, and
+``PATCHED`` lists every patched attribute (a test checks each still exists in
+Keras itself).
+
+Keras also keeps some settings per thread (``global_state``: the dtype policy,
+the autocast scope, the current Keras distribution); an uneven step runs every
+replica in a thread of its own, which must see the caller's settings.  And some
+per-call state lives on shared Keras objects (``Layer._losses``); it is made per
+thread here.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import threading
 import weakref
-from typing import Any
+from typing import Any, Callable
 
-from keras.src.backend.common import global_state
+import keras
+
+SUPPORTED_KERAS = ("3.15",)
+if not keras.__version__.startswith(SUPPORTED_KERAS):  # pragma: no cover - pinned in pyproject
+    raise ImportError(
+        f"distribute supports Keras {', '.join(SUPPORTED_KERAS)}.x, found {keras.__version__}; "
+        "install a supported version: pip install 'keras>=3.15,<3.16'."
+    )
+
+from keras.src import backend as keras_backend  # noqa: E402
+from keras.src import tree  # noqa: E402
+from keras.src.backend.common import global_state  # noqa: E402
+from keras.src.backend.common.stateless_scope import StatelessScope, get_stateless_scope  # noqa: E402
+from keras.src.backend.common.variables import Variable as KerasVariable  # noqa: E402
+from keras.src.backend.common.variables import initialize_all_variables  # noqa: E402
+from keras.src.backend.jax.core import JaxVariable  # noqa: E402
+from keras.src.backend.jax.trainer import JAXTrainer  # noqa: E402
+from keras.src.layers.layer import Layer  # noqa: E402
+from keras.src.layers.normalization.batch_normalization import BatchNormalization  # noqa: E402
+from keras.src.metrics.metric import Metric  # noqa: E402
+from keras.src.optimizers.base_optimizer import BaseOptimizer  # noqa: E402
+from keras.src.random.seed_generator import SeedGenerator  # noqa: E402
+from keras.src.trainers import data_adapters  # noqa: E402
+from keras.src.trainers.data_adapters import data_adapter_utils  # noqa: E402
+from keras.src.trainers.data_adapters.data_adapter import DataAdapter  # noqa: E402
+from keras.src.trainers.trainer import Trainer  # noqa: E402
+from keras.src.utils import rng_utils  # noqa: E402
+
+__all__ = [
+    "BaseOptimizer", "BatchNormalization", "DataAdapter", "JAXTrainer", "JaxVariable", "KerasVariable", "Layer",
+    "Metric", "PATCHED", "SeedGenerator", "StatelessScope", "Trainer", "copy_thread_state", "data_adapter_utils",
+    "data_adapters", "get_stateless_scope", "global_state", "initialize_all_variables", "install_per_thread_attributes",
+    "keras_backend", "patch", "rng_utils", "tree",
+]
+
+# (owner, attribute) of every patch this package makes, filled by ``patch``.
+PATCHED: list[tuple[Any, str]] = []
+
+
+def patch(owner: Any, name: str, make: Callable[[Any], Any]) -> None:
+    """Replaces ``owner.name`` by ``make(original)`` (keeping its name and docstring).
+
+    Raises:
+        AttributeError: this Keras has no ``owner.name`` (the seam needs updating
+            for a new Keras version).
+    """
+    original = getattr(owner, name, None)
+    if original is None:
+        raise AttributeError(
+            f"Keras {keras.__version__} has no {getattr(owner, '__name__', owner)}.{name}, which distribute "
+            f"patches; install a supported Keras ({', '.join(SUPPORTED_KERAS)}.x)."
+        )
+    wrapper = make(original)
+    if callable(wrapper) and callable(original):
+        functools.update_wrapper(wrapper, original)
+    setattr(owner, name, wrapper)
+    PATCHED.append((owner, name))
+
 
 # Per-thread Keras attributes that belong to the thread's own call in progress.
 _NOT_COPIED = frozenset({"stateless_scope", "uninitialized_variables", "current_call_context", "symbolic_scope"})
@@ -73,8 +139,7 @@ _PER_THREAD_LAYER_ATTRIBUTES = {"_losses": list, "_loss_ids": set, "_losses_over
 
 def install_per_thread_attributes() -> None:
     """Makes the per-call loss attributes of Keras layers per thread (idempotent)."""
-    from keras.src.layers.layer import Layer
-
     for name, make_default in _PER_THREAD_LAYER_ATTRIBUTES.items():
         if not isinstance(Layer.__dict__.get(name), _PerThread):
             setattr(Layer, name, _PerThread(name, make_default))
+            PATCHED.append((Layer, name))

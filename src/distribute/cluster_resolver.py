@@ -17,7 +17,7 @@ __all__ = [
     "SimpleClusterResolver",
     "SlurmClusterResolver",
     "TFConfigClusterResolver",
-    "TPUClusterResolver",
+    "TPUClusterResolver",  # noqa: F822 - loaded by __getattr__ below
 ]
 
 

@@ -646,9 +646,12 @@ def _default_strategy() -> _DefaultStrategy:
     return _DEFAULT[0]
 
 
+_context.register_default_strategy(_default_strategy)
+
+
 def get_strategy() -> Strategy:
     """The current strategy: the one whose scope is active, else the default one (TF: same name)."""
-    return _context.scope_strategy() or _default_strategy()
+    return _context.current_strategy()
 
 
 def has_strategy() -> bool:

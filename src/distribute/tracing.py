@@ -32,12 +32,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
-from keras.src.backend.common.stateless_scope import StatelessScope
-from keras.src.backend.common.variables import Variable as KerasVariable
-from keras.src.backend.common.variables import initialize_all_variables
 
-from distribute import _context, uneven
-from distribute.replica import ReplicaContext, combine_replicas
+from distribute import _context, spmd, uneven
+from distribute._keras import KerasVariable, StatelessScope, initialize_all_variables
+from distribute.replica import combine_replicas
 from distribute.values import DistributedValues, Mirrored, PerReplica
 
 AXIS = "replica"
@@ -197,14 +195,7 @@ def _compile(strategy, fn, treedef, kinds, statics, sharded, replicated, compile
 
 
 def _shard_and_jit(strategy, body: Callable):
-    ext = strategy.extended
-    mapped = jax.shard_map(
-        body,
-        mesh=ext._mesh,
-        in_specs=(P(), P(), P(AXIS), P()),
-        out_specs=(P(), P(AXIS), P()),
-    )
-    return jax.jit(mapped, donate_argnums=(1,))
+    return spmd.compile_program(strategy, body, (P(), P(), P(AXIS), P()), (P(), P(AXIS), P()), donate_argnums=(1,))
 
 
 def _make_body(strategy, fn, treedef, kinds, statics, read_vars, write_vars, record: _TraceRecord):
@@ -222,9 +213,7 @@ def _make_body(strategy, fn, treedef, kinds, statics, read_vars, write_vars, rec
         mapping = {id(v): x for v, x in zip(read_vars, read_vals)}
         mapping.update({id(v): x for v, x in zip(write_vars, write_vals)})
         scope = LiftingScope(mapping)
-        rows = _batch_rows(leaves, kinds)
-        context = ReplicaContext(strategy, in_program=True, rows=rows, global_rows=None if rows is None else rows * strategy.num_replicas_in_sync)
-        with _context.enter_replica(strategy, context), scope:
+        with _context.enter_replica(strategy, spmd.replica_context(strategy, _batch_rows(leaves, kinds))), scope:
             result = fn(*args, **kwargs)
         record.missing = scope.missing
         record.written = scope.written

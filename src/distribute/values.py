@@ -21,6 +21,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from distribute import _context
+
 if TYPE_CHECKING:  # pragma: no cover
     from distribute.strategy import Strategy
 
@@ -95,9 +97,7 @@ class PerReplica(DistributedValues):
     __slots__ = ("_strategy", "_array", "_lengths", "_cached_local", "_sum")
 
     def __init__(self, values: Sequence[Any]):
-        from distribute.strategy import get_strategy
-
-        strategy = get_strategy()
+        strategy = _context.current_strategy()
         values = [np.asarray(v) if not isinstance(v, jax.Array) else v for v in values]
         num_local = len(strategy.extended._local_devices)
         if len(values) != num_local:
@@ -151,9 +151,7 @@ class Mirrored(DistributedValues):
     __slots__ = ("_strategy", "_array")
 
     def __init__(self, value: Any, strategy: "Strategy | None" = None):
-        from distribute.strategy import get_strategy
-
-        self._strategy = strategy or get_strategy()
+        self._strategy = strategy or _context.current_strategy()
         self._array = self._strategy.extended._put_replicated(value)
 
     def _local_values(self) -> tuple:

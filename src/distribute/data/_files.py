@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from distribute.data import _kind
 from distribute.data import _spec
 
 
@@ -55,7 +56,7 @@ def filenames_dataset(filenames: Any, what: str) -> Any:
     Raises:
       TypeError: anything else.
     """
-    from distribute.data.dataset import Dataset
+    Dataset = _kind.dataset_class()
 
     if isinstance(filenames, Dataset):
         return filenames
@@ -83,7 +84,7 @@ def text_line_dataset(filenames: Any, compression_type: Any = None, buffer_size:
 
 
 def _text_lines(name: Any) -> Any:
-    from distribute.data.dataset import Dataset
+    Dataset = _kind.dataset_class()
 
     with open(os.fsdecode(bytes(name)), "rb") as handle:
         lines = [line.rstrip(b"\r\n") for line in handle]
@@ -116,7 +117,7 @@ def _first_names(names: Any) -> list[bytes]:
 
 
 def _numpy_file(name: Any) -> Any:
-    from distribute.data.dataset import Dataset
+    Dataset = _kind.dataset_class()
 
     path = os.fsdecode(bytes(name))
     if path.endswith(".npy"):
@@ -141,7 +142,7 @@ def array_record_dataset(filenames: Any) -> Any:
 def _array_records(name: Any) -> Any:
     import grain
 
-    from distribute.data.dataset import Dataset
+    Dataset = _kind.dataset_class()
 
     source = grain.sources.ArrayRecordDataSource([os.fsdecode(bytes(name))])
     return Dataset.from_generator(lambda: (np.bytes_(source[i]) for i in range(len(source))),

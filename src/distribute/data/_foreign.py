@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from distribute.data import _kind
 from distribute.data import _plan, _spec, _structure
 from distribute.data.options import UNKNOWN_CARDINALITY, AutoShardPolicy, Options
 
@@ -47,7 +48,7 @@ def wrap(value: Any) -> Any | None:
 
 
 def _create(node: Any, cardinality: int, spec: Any, options: Options) -> Any:
-    from distribute.data.dataset import Dataset
+    Dataset = _kind.dataset_class()
 
     dataset = Dataset._create(node, cardinality, None, options, None, spec=spec)
     dataset._batch_info_value = _LazyBatchInfo(dataset)

@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from distribute.data import _kind
 from distribute.data import _cardinality, _checks, _combine, _spec, _structure
 from distribute.data.options import AUTOTUNE, INFINITE_CARDINALITY, UNKNOWN_CARDINALITY
 
@@ -250,7 +251,7 @@ class MoreMixin:
 
 
 def _as_dataset(value: Any, what: str) -> Any:
-    from distribute.data.dataset import Dataset
+    Dataset = _kind.dataset_class()
 
     if isinstance(value, Dataset):
         return value

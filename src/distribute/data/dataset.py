@@ -25,6 +25,7 @@ from typing import Any
 import grain
 
 from distribute.data import (
+    _kind,
     _cardinality,
     _checks,
     _combine,
@@ -466,3 +467,6 @@ class Dataset(_sources.SourcesMixin, _more.MoreMixin):
 
     def __repr__(self) -> str:
         return f"<Dataset cardinality={self._cardinality_value} batch_info={self._batch_info_value}>"
+
+
+_kind.register(Dataset)

@@ -17,8 +17,7 @@ import functools
 from collections.abc import Iterator
 from typing import Any
 
-from keras.src.trainers import data_adapters
-from keras.src.trainers.data_adapters.data_adapter import DataAdapter
+from distribute._keras import DataAdapter, data_adapters
 
 _INSTALLED: list[bool] = []
 

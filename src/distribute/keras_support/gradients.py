@@ -5,9 +5,9 @@ from __future__ import annotations
 from typing import Any, Callable, Sequence
 
 import jax
-from keras.src.backend.common.stateless_scope import get_stateless_scope
 
 from distribute import _context
+from distribute._keras import get_stateless_scope
 from distribute.tracing import LiftingScope
 
 

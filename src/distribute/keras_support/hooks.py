@@ -26,7 +26,6 @@ outside a strategy:
 
 from __future__ import annotations
 
-import functools
 import inspect
 import weakref
 from typing import Any
@@ -34,7 +33,8 @@ from typing import Any
 import jax.numpy as jnp
 
 from distribute import _context
-from distribute._keras import install_per_thread_attributes
+from distribute._keras import BaseOptimizer, BatchNormalization, JaxVariable, Layer, Metric, SeedGenerator, install_per_thread_attributes
+from distribute._keras import patch as _patch
 from distribute.tracing import check_ownership
 
 AXIS = "replica"
@@ -46,13 +46,6 @@ def install() -> None:
     """Installs the hooks (idempotent)."""
     if _INSTALLED:
         return
-    from keras.src.backend.jax.core import JaxVariable
-    from keras.src.layers.layer import Layer
-    from keras.src.layers.normalization.batch_normalization import BatchNormalization
-    from keras.src.metrics.metric import Metric
-    from keras.src.optimizers.base_optimizer import BaseOptimizer
-    from keras.src.random.seed_generator import SeedGenerator
-
     from distribute.keras_support import trainer
 
     _patch(JaxVariable, "_initialize_layout", _variable_initialize_layout)
@@ -66,13 +59,6 @@ def install() -> None:
     _patch(BatchNormalization, "__init__", _batch_norm_init)
     _patch(BatchNormalization, "_moments", _batch_norm_moments)
     _INSTALLED.append(True)
-
-
-def _patch(cls: type, name: str, make: Any) -> None:
-    original = getattr(cls, name)
-    wrapper = make(original)
-    functools.update_wrapper(wrapper, original)
-    setattr(cls, name, wrapper)
 
 
 def _variable_initialize_layout(original):
@@ -226,8 +212,6 @@ def _seed_next(original):
 
 
 def describe_object(obj: Any) -> str:
-    from keras.src.metrics.metric import Metric
-
     kind = "metric" if isinstance(obj, Metric) else "optimizer"
     return f"{kind} '{type(obj).__name__}' (name {getattr(obj, 'name', '?')!r})"
 

@@ -26,12 +26,10 @@ from collections.abc import Iterator
 from typing import Any
 
 import jax.numpy as jnp
-from keras.src import backend as keras_backend
-from keras.src.backend.common.stateless_scope import get_stateless_scope
-from keras.src.backend.common.variables import Variable as KerasVariable
-from keras.src.backend.common.variables import initialize_all_variables
 
 from distribute import _context
+from distribute._keras import BaseOptimizer, JAXTrainer, JaxVariable, KerasVariable, get_stateless_scope, initialize_all_variables, keras_backend
+from distribute._keras import patch as _patch
 from distribute.tracing import LiftingScope
 
 _INSTALLED: list[bool] = []
@@ -70,9 +68,6 @@ def install() -> None:
     """Installs the patches (idempotent); also installs ``hooks.install()`` first."""
     if _INSTALLED:
         return
-    from keras.src.backend.jax.core import JaxVariable
-    from keras.src.optimizers.base_optimizer import BaseOptimizer
-
     from distribute.keras_support import hooks
 
     hooks.install()
@@ -82,18 +77,9 @@ def install() -> None:
     _patch(JaxVariable, "_direct_assign", _direct_assign)
     _patch(BaseOptimizer, "add_variable_from_reference", _add_variable_from_reference)
     _patch(BaseOptimizer, "apply", _optimizer_apply)
-    from keras.src.backend.jax.trainer import JAXTrainer
-
     for name in ("fit", "evaluate", "predict"):
         _patch(JAXTrainer, name, functools.partial(_refuse_under_ps, name=name))
     _INSTALLED.append(True)
-
-
-def _patch(cls: type, name: str, make: Any) -> None:
-    original = getattr(cls, name)
-    wrapper = make(original)
-    functools.update_wrapper(wrapper, original)
-    setattr(cls, name, wrapper)
 
 
 def _variable_init(original):

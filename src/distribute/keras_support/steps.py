@@ -26,11 +26,9 @@ from typing import Any, Iterator
 
 import jax
 import jax.numpy as jnp
-from keras.src import backend as keras_backend
-from keras.src import tree
-from keras.src.trainers.data_adapters import data_adapter_utils
 
 from distribute import _context
+from distribute._keras import data_adapter_utils, keras_backend, tree
 
 
 def _unpack(treedef: Any, local_leaves: list) -> tuple:

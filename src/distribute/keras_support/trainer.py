@@ -28,12 +28,11 @@ import jax
 import numpy as np
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
-from keras.src import tree
 
 from distribute import _context
-from distribute import uneven
+from distribute import spmd, uneven
+from distribute._keras import JAXTrainer, Trainer, patch, tree
 from distribute.input.splitting import split_batch, split_counts
-from distribute.replica import ReplicaContext
 from distribute.keras_support import steps
 from distribute.keras_support.data_adapter import adapt
 from distribute.tracing import check_ownership
@@ -42,17 +41,12 @@ AXIS = "replica"
 
 
 def install() -> None:
-    from keras.src.backend.jax.trainer import JAXTrainer
-    from keras.src.trainers.trainer import Trainer
-
     # On the base class: Keras' load_model compares type(model).compile with Trainer.compile.
-    Trainer.compile = functools.wraps(Trainer.compile)(_compile_wrapper(Trainer.compile))
+    patch(Trainer, "compile", _compile_wrapper)
     for name in ("fit", "evaluate", "predict"):
-        original = getattr(JAXTrainer, name)
-        setattr(JAXTrainer, name, functools.wraps(original)(_in_scope(original)))
+        patch(JAXTrainer, name, _in_scope)
     for kind in _KINDS:
-        original = getattr(JAXTrainer, f"make_{kind}_function")
-        setattr(JAXTrainer, f"make_{kind}_function", functools.wraps(original)(_routed(original, kind)))
+        patch(JAXTrainer, f"make_{kind}_function", functools.partial(_routed, kind=kind))
 
 
 def model_strategy(model: Any) -> Any:
@@ -120,8 +114,6 @@ def _split(strategy: Any, data: Any) -> tuple[Any, list[np.ndarray], np.ndarray 
 
 
 def _check_supported(model: Any, method: str) -> None:
-    from keras.src.backend.jax.trainer import JAXTrainer
-
     if getattr(type(model), method) is not getattr(JAXTrainer, method):
         raise NotImplementedError(
             f"{type(model).__name__} overrides {method}; distributed fit/evaluate/predict run "
@@ -173,9 +165,7 @@ class _StepRunner:
 
         def body(state, leaves):
             local = [leaf[0] for leaf in leaves]
-            rows = local[0].shape[0]
-            context = ReplicaContext(strategy, in_program=True, rows=rows, global_rows=rows * strategy.num_replicas_in_sync)
-            with _context.enter_replica(strategy, context):
+            with _context.enter_replica(strategy, spmd.replica_context(strategy, local[0].shape[0])):
                 result, state = step(state, local)
             if self.per_replica_result:
                 result = tree.map_structure(lambda o: o[None], result)
@@ -187,10 +177,9 @@ class _StepRunner:
         key = (treedef, tuple((p.shape, p.dtype) for p in placed), steps)
         if key not in self.cache:
             body = self._in_context(self._step(treedef))
-            mesh = self.strategy.extended._mesh
             result_spec = P(AXIS) if self.per_replica_result else P()
             if steps == 1:
-                mapped = jax.shard_map(body, mesh=mesh, in_specs=(P(), P(AXIS)), out_specs=(result_spec, P()))
+                program = spmd.compile_program(self.strategy, body, (P(), P(AXIS)), (result_spec, P()), donate_argnums=(0,))
             else:
                 def scanned(state, stacked):
                     def scan_body(carry, leaves):
@@ -200,8 +189,8 @@ class _StepRunner:
                     state, results = lax.scan(scan_body, state, stacked, unroll=True)
                     return jax.tree_util.tree_map(lambda r: r[-1], results), state
 
-                mapped = jax.shard_map(scanned, mesh=mesh, in_specs=(P(), P(None, AXIS)), out_specs=(result_spec, P()))
-            self.cache[key] = jax.jit(mapped, donate_argnums=(0,))
+                program = spmd.compile_program(self.strategy, scanned, (P(), P(None, AXIS)), (result_spec, P()), donate_argnums=(0,))
+            self.cache[key] = program
         return self.cache[key]
 
     def __call__(self, state: Any, iterator: Any) -> tuple[list, Any]:

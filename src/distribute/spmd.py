@@ -1,0 +1,32 @@
+"""The one compile path of run and fit: a replica function as one SPMD program.
+
+``strategy.run`` (``tracing.py``, which first lifts the Keras variables a stateful
+function uses) and Keras fit/evaluate/predict (``keras_support/trainer.py``, whose
+steps take their state explicitly) both build their programs here: the replica
+body runs inside the replica context of the SPMD program, goes through
+``jax.shard_map`` over the strategy's mesh (axis ``"replica"``) and ``jax.jit``,
+with the state's old buffers donated.  Uneven steps, which cannot be one SPMD
+program, go through ``uneven.run_replicas`` in both.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+
+from distribute.replica import ReplicaContext
+
+AXIS = "replica"
+
+
+def replica_context(strategy: Any, rows: int | None) -> ReplicaContext:
+    """The SPMD program's replica context; ``rows``: each replica's rows (equal in a full step)."""
+    global_rows = None if rows is None else rows * strategy.num_replicas_in_sync
+    return ReplicaContext(strategy, in_program=True, rows=rows, global_rows=global_rows)
+
+
+def compile_program(strategy: Any, body: Callable, in_specs: Any, out_specs: Any, donate_argnums: tuple = ()) -> Any:
+    """``jit(shard_map(body))`` over the strategy's mesh: the one place programs are built."""
+    mapped = jax.shard_map(body, mesh=strategy.extended._mesh, in_specs=in_specs, out_specs=out_specs)
+    return jax.jit(mapped, donate_argnums=donate_argnums)
