@@ -245,19 +245,17 @@ class _StepRunner:
             r, local = context._replica, context._local
             rows = [jax.device_put(x[starts[r] : starts[r + 1]], context._device) for x in leaves]
             replica_state = jax.tree_util.tree_unflatten(state_tree, [s[local] for s in local_state])
-            return step(replica_state, rows)
+            result, new = step(replica_state, rows)
+            if self.per_replica_result:
+                # Every replica's rows, in order, on every worker (as Keras' predict returns them).
+                result = context._gather_tree(result, 0)
+            return result, new
 
         results = uneven.run_replicas(strategy, body, counts.tolist())
         new_state = [jax.tree_util.tree_leaves(new) for _, new in results]
         state = jax.tree_util.tree_unflatten(state_tree, [uneven.replicated_from_local(strategy, list(parts)) for parts in zip(*new_state)])
         if self.per_replica_result:
-            pieces = [result for result, _ in results]
-            if jax.process_count() > 1:
-                raise NotImplementedError(
-                    "predict on a batch that does not divide between the replicas of several workers "
-                    "is not supported yet; use a batch size divisible by num_replicas_in_sync."
-                )
-            return tree.map_structure(lambda *p: np.concatenate([np.asarray(x) for x in p]), *pieces), state
+            return tree.map_structure(np.asarray, results[0][0]), state
         return results[0][0], state
 
 
