@@ -326,6 +326,7 @@ class Strategy:
         op = ReduceOp.from_value(reduce_op)
         _require_cross_replica("strategy.reduce", "use get_replica_context().all_reduce(...)")
         _check_reduce_axis(axis)
+        value = _sync_on_read_as_per_replica(value)
         self._check_values_are_ours(value, "reduce")
         result = jax.tree_util.tree_map(lambda v: self._reduce_one(op, v, axis), value, is_leaf=is_distributed)
         self._extended._step_dispatched(result)
@@ -344,6 +345,7 @@ class Strategy:
         _require_cross_replica("strategy.gather", "use get_replica_context().all_gather(...)")
         if isinstance(axis, bool) or not isinstance(axis, (int, np.integer)):
             raise ValueError(f"strategy.gather: axis must be an int, got {axis!r}.")
+        value = _sync_on_read_as_per_replica(value)
         self._check_values_are_ours(value, "gather")
         result = jax.tree_util.tree_map(lambda v: self._gather_one(v, axis), value, is_leaf=is_distributed)
         self._extended._step_dispatched(result)
@@ -354,8 +356,10 @@ class Strategy:
 
         Padding of partial batches is removed: with 2 replicas, the last batch of
         ``range(5).batch(4)`` gives ``([4], [])``.  A non-distributed value gives
-        ``(value,)``.
+        ``(value,)``.  A SyncOnRead variable gives its replicas' copies (as TF's
+        SyncOnReadVariable; see ``sync_on_read.py``).
         """
+        value = _sync_on_read_as_per_replica(value)
         if isinstance(value, DistributedValues):
             return value.values
         leaves, treedef = jax.tree_util.tree_flatten(value, is_leaf=is_distributed)
@@ -443,6 +447,13 @@ class Strategy:
             return jnp.concatenate([value._array] * self.num_replicas_in_sync, axis=axis)
         # A plain value comes back unchanged, as in TF 2.21.
         return jnp.asarray(value)
+
+
+def _sync_on_read_as_per_replica(value: Any) -> Any:
+    """SyncOnRead variables in ``value`` as PerReplica values of their copies (TF: they are DistributedValues)."""
+    from distribute import sync_on_read
+
+    return jax.tree_util.tree_map(sync_on_read.as_per_replica, value, is_leaf=is_distributed)
 
 
 def _reduce_plain(op: ReduceOp, value: jax.Array, axis: int | None) -> jax.Array:

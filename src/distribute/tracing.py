@@ -36,8 +36,8 @@ from keras.src.backend.common.stateless_scope import StatelessScope
 from keras.src.backend.common.variables import Variable as KerasVariable
 from keras.src.backend.common.variables import initialize_all_variables
 
-from distribute import _context, uneven
-from distribute.replica import ReplicaContext, combine_replicas
+from distribute import _context, sync_on_read, uneven
+from distribute.replica import ReplicaContext
 from distribute.values import DistributedValues, Mirrored, PerReplica
 
 AXIS = "replica"
@@ -146,11 +146,13 @@ def run(strategy: Any, fn: Callable, args: tuple, kwargs: dict) -> Any:
         _warn_on_retracing(ext, fn)
         program = _compile(strategy, fn, treedef, kinds, statics, sharded, replicated)
         ext._compiled[key] = program
-    read_vals = [_place(v._value, ext._replicated_sharding) for v in program.read_vars]
-    write_vals = [_place(v._value, ext._replicated_sharding) for v in program.write_vars]
+    read_vals, write_vals = _variable_inputs(ext, program.read_vars), _variable_inputs(ext, program.write_vars)
     new_vals, outs, sums = program.compiled(read_vals, write_vals, sharded, replicated)
     for var, value in zip(program.write_vars, new_vals):
-        var._value = value
+        if sync_on_read.tracked(var):
+            sync_on_read.store(var, value[1], value[0])  # SyncOnRead: (copies, aggregate)
+        else:
+            var._value = value
     ext._step_dispatched(outs if outs else new_vals)
     sums, outs = iter(sums), iter(outs)
     results = [
@@ -173,9 +175,8 @@ def _compile(strategy, fn, treedef, kinds, statics, sharded, replicated, compile
         write_vars = list(written.values())
         record = _TraceRecord()
         body = _make_body(strategy, fn, treedef, kinds, statics, read_vars, write_vars, record)
-        program_fn = _shard_and_jit(strategy, body)
-        read_vals = [_place(v._value, strategy.extended._replicated_sharding) for v in read_vars]
-        write_vals = [_place(v._value, strategy.extended._replicated_sharding) for v in write_vars]
+        program_fn = _shard_and_jit(strategy, body, read_vars, write_vars)
+        read_vals, write_vals = _variable_inputs(strategy.extended, read_vars), _variable_inputs(strategy.extended, write_vars)
         traced = program_fn.trace(read_vals, write_vals, sharded, replicated)
         # Variables created while tracing (optimizer slots, lazily built layers)
         # were deferred by Keras; give them their values now, outside the trace.
@@ -196,15 +197,20 @@ def _compile(strategy, fn, treedef, kinds, statics, sharded, replicated, compile
     raise AssertionError("variable discovery did not converge")  # pragma: no cover
 
 
-def _shard_and_jit(strategy, body: Callable):
+def _shard_and_jit(strategy, body: Callable, read_vars: list, write_vars: list):
     ext = strategy.extended
+    # Variables are replicated, except SyncOnRead ones: their copies, one per replica (sync_on_read.py).
     mapped = jax.shard_map(
         body,
         mesh=ext._mesh,
-        in_specs=(P(), P(), P(AXIS), P()),
-        out_specs=(P(), P(AXIS), P()),
+        in_specs=(sync_on_read.in_specs(read_vars), sync_on_read.in_specs(write_vars), P(AXIS), P()),
+        out_specs=(sync_on_read.out_specs(write_vars), P(AXIS), P()),
     )
     return jax.jit(mapped, donate_argnums=(1,))
+
+
+def _variable_inputs(ext: Any, variables: list) -> list:
+    return [sync_on_read.program_input(v, lambda value: _place(value, ext._replicated_sharding)) for v in variables]
 
 
 def _make_body(strategy, fn, treedef, kinds, statics, read_vars, write_vars, record: _TraceRecord):
@@ -219,8 +225,8 @@ def _make_body(strategy, fn, treedef, kinds, statics, read_vars, write_vars, rec
             else:
                 leaves.append(next(static_it))
         args, kwargs = jax.tree_util.tree_unflatten(treedef, leaves)
-        mapping = {id(v): x for v, x in zip(read_vars, read_vals)}
-        mapping.update({id(v): x for v, x in zip(write_vars, write_vals)})
+        mapping = {id(v): sync_on_read.replica_value(v, x) for v, x in zip(read_vars, read_vals)}
+        mapping.update({id(v): sync_on_read.replica_value(v, x) for v, x in zip(write_vars, write_vals)})
         scope = LiftingScope(mapping)
         rows = _batch_rows(leaves, kinds)
         context = ReplicaContext(strategy, in_program=True, rows=rows, global_rows=None if rows is None else rows * strategy.num_replicas_in_sync)
@@ -228,7 +234,9 @@ def _make_body(strategy, fn, treedef, kinds, statics, read_vars, write_vars, rec
             result = fn(*args, **kwargs)
         record.missing = scope.missing
         record.written = scope.written
-        new_vals = [combine_replicas(v, scope.state_mapping[id(v)], old) for v, old in zip(write_vars, write_vals)]
+        old_vals = [mapping[id(v)] for v in write_vars]
+        new_vals = sync_on_read.combine_all(context, write_vars, [scope.state_mapping[id(v)] for v in write_vars], old_vals)
+        new_vals = [(n[0][None], n[1]) if isinstance(n, tuple) else n for n in new_vals]
         out_leaves, record.out_tree = jax.tree_util.tree_flatten(result, is_leaf=_is_keras_variable)
         record.out_kinds, record.out_statics, arrays = _classify_outputs(out_leaves)
         # Small outputs (a step's loss) are also summed over replicas here, in the
@@ -294,7 +302,7 @@ def _run_uneven(strategy, fn, treedef, kinds, dynamic, statics, key, lengths) ->
         written = list(program.write_vars) + [v for i, v in scope.written.items() if all(w is not v for w in program.write_vars)]
         old = [_local_value(v, context._device) for v in written]
         new = [scope.state_mapping[id(v)] if id(v) in scope.written else o for v, o in zip(written, old)]
-        combined = context._combine_all(written, new, old)
+        combined = sync_on_read.combine_all(context, written, new, old)
         out_leaves, out_tree = jax.tree_util.tree_flatten(result, is_leaf=_is_keras_variable)
         out_leaves = [x if _is_python_constant(x) else _as_output(x) for x in out_leaves]
         rows = None
@@ -305,7 +313,11 @@ def _run_uneven(strategy, fn, treedef, kinds, dynamic, statics, key, lengths) ->
     results = uneven.run_replicas(strategy, body, lengths.tolist())
     written, _, out_tree, _, all_rows = results[0]
     for i, var in enumerate(written):
-        var._value = uneven.replicated_from_local(strategy, [r[1][i] for r in results])
+        if sync_on_read.tracked(var):  # (this replica's copy, the aggregate) from each replica
+            copies, _ = uneven.per_replica_from_local(strategy, [r[1][i][0] for r in results])
+            sync_on_read.store(var, uneven.replicated_from_local(strategy, [r[1][i][1] for r in results]), copies)
+        else:
+            var._value = uneven.replicated_from_local(strategy, [r[1][i] for r in results])
     outputs = []
     for j in range(len(results[0][3])):
         values = [r[3][j] for r in results]
@@ -321,8 +333,10 @@ def _run_uneven(strategy, fn, treedef, kinds, dynamic, statics, key, lengths) ->
 
 
 def _local_value(var: KerasVariable, device: Any) -> Any:
-    """Variable ``var``'s copy on ``device`` (its replicated array's shard there)."""
+    """Variable ``var``'s copy on ``device`` (its replicated array's shard there; a SyncOnRead one's own copy)."""
     value = var._value
+    if sync_on_read.tracked(var):
+        return next(s.data[0] for s in sync_on_read.copies(var).addressable_shards if s.device == device)
     if isinstance(value, jax.Array):
         for shard in value.addressable_shards:
             if shard.device == device:

@@ -29,7 +29,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from distribute import _context
+from distribute import _context, sync_on_read
 from distribute._keras import install_per_thread_attributes
 from distribute.tracing import check_ownership
 
@@ -51,6 +51,8 @@ def install() -> None:
     from distribute.keras_support import trainer
 
     _patch(JaxVariable, "_initialize_layout", _variable_initialize_layout)
+    _patch(JaxVariable, "_initialize", _variable_initialized)
+    _patch(JaxVariable, "_initialize_with_initializer", _variable_initialized)
     _patch(BaseOptimizer, "__init__", _optimizer_init)
     _patch(BaseOptimizer, "apply", _optimizer_apply)
     _patch(Metric, "__init__", _metric_init)
@@ -77,6 +79,23 @@ def _variable_initialize_layout(original):
         return original(self)
 
     return _initialize_layout
+
+
+def _variable_initialized(original):
+    """After a variable's first value is set: a SyncOnRead one's value becomes its copies' aggregate."""
+
+    def initialize(self, *args):
+        outer = not self.__dict__.get("_distribute_initializing")
+        self.__dict__["_distribute_initializing"] = True
+        try:
+            original(self, *args)
+        finally:
+            if outer:
+                del self.__dict__["_distribute_initializing"]
+        if outer:
+            sync_on_read.on_created(self)
+
+    return initialize
 
 
 def _optimizer_init(original):
