@@ -138,8 +138,8 @@ def run(strategy: Any, fn: Callable, args: tuple, kwargs: dict) -> Any:
     key = (_function_key(fn), treedef, tuple(key_parts))
     if lengths is not None:
         return _run_uneven(strategy, fn, treedef, kinds, dynamic, statics, key, lengths)
-    sharded = [d._array for d, k in zip(dynamic, kinds) if k == _SHARDED]
-    replicated = [_place(_array_of(d), ext._replicated_sharding) for d, k in zip(dynamic, kinds) if k == _REPLICATED]
+    sharded = [d._array for d, k in zip(dynamic, _dynamic_kinds(kinds)) if k == _SHARDED]
+    replicated = [_place(_array_of(d), ext._replicated_sharding) for d, k in zip(dynamic, _dynamic_kinds(kinds)) if k == _REPLICATED]
 
     program = ext._compiled.get(key)
     if program is None or program.compiled is None:
@@ -283,8 +283,8 @@ def _run_uneven(strategy, fn, treedef, kinds, dynamic, statics, key, lengths) ->
     discovery_key = ("uneven", *key)
     program = ext._compiled.get(key) or ext._compiled.get(discovery_key)
     if program is None:
-        padded = [d._array for d, k in zip(dynamic, kinds) if k == _SHARDED]
-        replicated = [_place(_array_of(d), ext._replicated_sharding) for d, k in zip(dynamic, kinds) if k == _REPLICATED]
+        padded = [d._array for d, k in zip(dynamic, _dynamic_kinds(kinds)) if k == _SHARDED]
+        replicated = [_place(_array_of(d), ext._replicated_sharding) for d, k in zip(dynamic, _dynamic_kinds(kinds)) if k == _REPLICATED]
         program = _compile(strategy, fn, treedef, kinds, statics, padded, replicated, compile_program=False)
         ext._compiled[discovery_key] = program
     slices = [uneven.local_slices(d, strategy) for d in dynamic]
@@ -332,6 +332,11 @@ def _run_uneven(strategy, fn, treedef, kinds, dynamic, statics, key, lengths) ->
     return jax.tree_util.tree_unflatten(out_tree, outputs)
 
 
+def _dynamic_kinds(kinds: list) -> list:
+    """The kinds of the array leaves only (``dynamic`` holds no static leaves)."""
+    return [k for k in kinds if k != _STATIC]
+
+
 def _local_value(var: KerasVariable, device: Any) -> Any:
     """Variable ``var``'s copy on ``device`` (its replicated array's shard there; a SyncOnRead one's own copy)."""
     value = var._value
@@ -364,22 +369,12 @@ def _as_output(x: Any) -> jax.Array:
 
 
 def check_ownership(strategy, variables: list) -> None:
-    from distribute.keras_support.hooks import describe_owner
+    """Raises the ValueError of ``keras_support.hooks.ownership_error`` for the first variable not made in ``strategy``'s scope."""
+    from distribute.keras_support.hooks import ownership_error
 
     for var in variables:
         if not strategy.extended._owns(var):
-            where = getattr(var, "_distribute_strategy", None)
-            if where is None:
-                raise ValueError(
-                    f"{describe_owner(var)} was created outside any strategy.scope() and is used "
-                    f"with {strategy!r} (strategy.run or model.fit). Create models, optimizers and "
-                    "metrics inside the scope: `with strategy.scope(): model = ...; optimizer = ...`."
-                )
-            raise ValueError(
-                f"{describe_owner(var)} belongs to {where!r} (it was created in that scope) and is "
-                f"used with {strategy!r}. Use each model, optimizer and metric with the strategy "
-                "whose scope created it."
-            )
+            raise ownership_error(strategy, var)
 
 
 def _function_key(fn: Callable) -> Any:
