@@ -117,19 +117,37 @@ class StrategyExtended:
         """
         yield
 
-    def reduce_to(self, reduce_op: ReduceOp | str, value: Any, destinations: Any = None, options: Any = None) -> Mirrored:
-        """Reduces ``value`` across replicas and returns it mirrored (TF: reduce_to).
+    def reduce_to(self, reduce_op: ReduceOp | str, value: Any, destinations: Any = None, options: Any = None) -> Any:
+        """Reduces ``value`` across replicas to ``destinations`` (TF: reduce_to).
 
-        ``destinations`` is accepted for compatibility: the result is mirrored on
-        every replica of this strategy.  Shapes: per-replica ``s`` -> mirrored ``s``.
+        Shapes: per-replica ``s`` -> ``s``.  As TF: a distributed ``value`` with
+        distributed (or no) ``destinations`` gives a Mirrored value; a device
+        name as ``destinations`` gives a plain array; a non-distributed value
+        gives a plain array (MEAN; SUM raises ValueError, as ``reduce``); the
+        default strategy always gives a plain array (``float()`` works).
+
+        Raises:
+            ValueError: unknown op, or SUM of a non-distributed value with more than one replica.
         """
         strategy = self._container_strategy
+        value = _sync_on_read_as_per_replica(value)
         reduced = strategy.reduce(reduce_op, value, axis=None)
+        if isinstance(strategy, _DefaultStrategy) or not isinstance(value, DistributedValues) or isinstance(destinations, (str, jax.Device)):
+            return reduced
         return Mirrored(reduced, strategy)
 
     def batch_reduce_to(self, reduce_op: ReduceOp | str, value_destination_pairs: Sequence, options: Any = None) -> list:
-        """``reduce_to`` over a list of ``(value, destinations)`` pairs."""
-        return [self.reduce_to(reduce_op, v, d, options) for v, d in value_destination_pairs]
+        """``reduce_to`` of each ``(value, destinations)`` pair.
+
+        As TF's MirroredStrategy, every distributed value gives a Mirrored value
+        here, whatever its destinations; the default strategy gives plain arrays.
+        """
+        out = []
+        for value, destinations in value_destination_pairs:
+            value = _sync_on_read_as_per_replica(value)
+            reduced = self.reduce_to(reduce_op, value, None if isinstance(value, DistributedValues) else destinations, options)
+            out.append(reduced)
+        return out
 
     def update(self, var: Any, fn: Callable, args: Sequence = (), kwargs: dict | None = None, group: bool = True) -> Any:
         """Runs ``fn(var, *args, **kwargs)`` to update a mirrored variable in cross-replica context.
@@ -412,6 +430,10 @@ class Strategy:
         from distribute.input.distributed_dataset import DistributedDataset
 
         return DistributedDataset.from_function(self, dataset_fn, options)
+
+    def experimental_distribute_datasets_from_function(self, dataset_fn: Callable, options: Any = None) -> Any:
+        """TF's older name of :meth:`distribute_datasets_from_function` (same behaviour)."""
+        return self.distribute_datasets_from_function(dataset_fn, options)
 
     # -- internals ---------------------------------------------------------------------
     def _check_values_are_ours(self, value: Any, what: str) -> None:
