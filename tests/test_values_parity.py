@@ -7,10 +7,10 @@ import jax.numpy as jnp
 import keras
 import numpy as np
 import pytest
+from helpers import mirrored, tf_fixture
 
 import distribute
 from distribute.data import Dataset
-from helpers import mirrored, tf_fixture
 
 TF = tf_fixture()["values"]
 
@@ -298,3 +298,19 @@ def test_optimizer_created_in_scope_but_built_outside_says_so():
 
     with pytest.raises(ValueError, match=r"optimizer 'Adam' \(name 'my_adam'\) was created inside .* scope, but built outside it"):
         s.run(step)
+
+
+def test_local_results_of_a_sync_on_read_variable_outlive_the_next_step():
+    s = mirrored(2)
+    with s.scope():
+        v = keras.Variable(1.0, synchronization="on_read", aggregation="sum")
+
+    def step():
+        v.assign_add(1.0)
+        return 0.0
+
+    s.run(step)
+    before = s.experimental_local_results(v)
+    s.run(step)  # donates the copies' buffers
+    assert [float(x) for x in before] == [2.0, 2.0]
+    assert _local(s, v) == [3.0, 3.0] and float(v.numpy()) == 6.0

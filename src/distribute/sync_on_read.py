@@ -100,12 +100,22 @@ def store(var: Any, value: jax.Array, per_replica: jax.Array) -> None:
 
 
 def as_per_replica(value: Any) -> Any:
-    """A tracked variable as a PerReplica of its copies; anything else unchanged."""
+    """A tracked variable as a PerReplica of a snapshot of its copies; anything else unchanged.
+
+    A snapshot: the next step donates the copies' buffers, and values the user
+    holds (``experimental_local_results``) must outlive it.
+    """
     if not tracked(value):
         return value
     from distribute.values import PerReplica
 
-    return PerReplica._from_array(value._distribute_strategy, copies(value))
+    per_replica = copies(value)
+    return PerReplica._from_array(value._distribute_strategy, _snapshot_program(per_replica.sharding)(per_replica))
+
+
+@functools.lru_cache(maxsize=None)
+def _snapshot_program(sharding: Any):
+    return jax.jit(jnp.copy, out_shardings=sharding)
 
 
 # -- the SPMD program (tracing.py) ------------------------------------------------------------

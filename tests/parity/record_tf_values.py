@@ -116,12 +116,18 @@ def register(add_task, py, local, mirrored, guarded):
         ds = tf.data.Dataset.from_tensor_slices(np.arange(6, dtype=np.float32).reshape(3, 2)).batch(4)
         return next(iter(s.experimental_distribute_dataset(ds)))
 
+    def gather_uneven(axis):
+        s = mirrored(2)
+        return guarded(lambda: py(s.gather(uneven_batch(s), axis=axis)))
+
+    def all_gather_uneven(axis):
+        s = mirrored(2)
+        fn = lambda v: tf.distribute.get_replica_context().all_gather(v, axis=axis)
+        return guarded(lambda: local(s, s.run(fn, args=(uneven_batch(s),))))
+
     for axis in (0, 1):
-        add_task((SECTION, f"gather_uneven_batch_axis_{axis}"),
-                 lambda a=axis: (lambda s: guarded(lambda: py(s.gather(uneven_batch(s), axis=a))))(mirrored(2)))
-        add_task((SECTION, f"all_gather_uneven_batch_axis_{axis}"),
-                 lambda a=axis: (lambda s: guarded(lambda: local(s, s.run(
-                     lambda v: tf.distribute.get_replica_context().all_gather(v, axis=a), args=(uneven_batch(s),)))))(mirrored(2)))
+        add_task((SECTION, f"gather_uneven_batch_axis_{axis}"), lambda a=axis: gather_uneven(a))
+        add_task((SECTION, f"all_gather_uneven_batch_axis_{axis}"), lambda a=axis: all_gather_uneven(a))
 
     # -- reduce_to / batch_reduce_to ----------------------------------------------------
     def kind_and_value(s, r):
