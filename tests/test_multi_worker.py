@@ -137,6 +137,21 @@ def mismatched_shapes(strategy):
     out["uneven_all_gather_axis0"] = [np.asarray(v).tolist() for v in strategy.experimental_local_results(
         strategy.run(lambda x: ctx().all_gather(x, axis=0), args=(batch,)))]
     out["after_errors_sum_of_ids"] = float(strategy.reduce("SUM", strategy.run(lambda: ctx().replica_id_in_sync_group), axis=None))
+
+    # A SyncOnRead variable across workers: one copy per replica, the aggregate on every worker.
+    import keras
+
+    with strategy.scope():
+        v = keras.Variable(1.0, synchronization="on_read", aggregation="sum")
+
+    def add_id():
+        v.assign_add(ctx().replica_id_in_sync_group.astype("float32") + 1.0)
+        return 0.0
+
+    out["sync_on_read_created"] = float(v.numpy())
+    strategy.run(add_id)
+    out["sync_on_read_after"] = float(v.numpy())
+    out["sync_on_read_local"] = [float(x) for x in strategy.experimental_local_results(v)]
     return out
 
 
@@ -282,6 +297,8 @@ def test_values_of_different_shapes_on_the_workers_never_abort_a_process(tmp_pat
         assert got["dim0_sum_axis0"] == 2.0
         assert got["uneven_all_gather_axis0"] == [[0.0, 1.0, 2.0, 3.0, 4.0, 5.0]] * 2
         assert got["after_errors_sum_of_ids"] == 6.0  # the job goes on after the errors
+        assert got["sync_on_read_created"] == 4.0 and got["sync_on_read_after"] == 14.0  # 4 copies of 1, then + 1 + 2 + 3 + 4
+    assert first["sync_on_read_local"] == [2.0, 3.0] and second["sync_on_read_local"] == [4.0, 5.0]
     # The same clear error on every worker (TF's collectives fail on a shape mismatch too).
     for key, text in [
         ("dim1_differs", "may differ only in dim 0"),

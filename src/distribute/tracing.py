@@ -13,7 +13,9 @@ signature:
 3. every call: inputs are placed, the compiled program runs, the assigned
    variables get their new values, outputs come back as PerReplica values.
 
-Variables stay replicated.  A ``sum``-aggregated variable (a metric's running
+Variables stay replicated, except SyncOnRead ones (``sync_on_read.py``): their
+per-replica copies go in sharded, each replica reads and assigns its own, and
+their cross-replica value is aggregated in the program.  A ``sum``-aggregated variable (a metric's running
 total: TF's sync-on-read SUM) adds every replica's change; any other variable
 whose new value differs between replicas (BatchNorm statistics) is combined by
 its ``aggregation``: ``mean`` averages,
