@@ -107,6 +107,54 @@ def run_reduce_gather(strategy):
     }
 
 
+def mismatched_shapes(strategy):
+    """Values whose shapes differ between workers: work where TF's would, else the same error on every worker."""
+    import distribute
+    from distribute.data import Dataset
+
+    out = {}
+    # dim 0 differs between the workers (1 row on worker 0's replicas, 2 on worker 1's): fine.
+    rows = strategy.experimental_distribute_values_from_function(lambda c: np.arange(c.replica_id_in_sync_group // 2 + 1, dtype=np.float32))
+    out["dim0_local"] = [np.asarray(v).tolist() for v in strategy.experimental_local_results(rows)]
+    out["dim0_gather"] = np.asarray(strategy.gather(rows, axis=0)).tolist()
+    out["dim0_sum_axis0"] = float(strategy.reduce("SUM", rows, axis=0))
+
+    def error_of(fn):
+        try:
+            fn()
+        except ValueError as err:
+            return str(err)
+        return None
+
+    out["dim1_differs"] = error_of(lambda: strategy.experimental_distribute_values_from_function(lambda c: np.zeros((1, c.replica_id_in_sync_group // 2 + 1), np.float32)))
+    # 6 rows over 4 replicas: 2 | 2 (worker 0) and 2 | 0 (worker 1), an uneven step.
+    batch = next(iter(strategy.experimental_distribute_dataset(Dataset.from_tensor_slices(np.arange(6.0, dtype=np.float32)).batch(8))))
+    ctx = distribute.get_replica_context
+    out["uneven_all_reduce_of_rows"] = error_of(lambda: strategy.run(lambda x: ctx().all_reduce("SUM", x), args=(batch,)))
+    out["uneven_all_gather_ranks_differ"] = error_of(lambda: strategy.run(
+        lambda x: ctx().all_gather(x if x.shape[0] else x[None], axis=0), args=(batch,)))
+    out["uneven_all_gather_axis1"] = error_of(lambda: strategy.run(lambda x: ctx().all_gather(x[:, None], axis=1), args=(batch,)))
+    out["uneven_all_gather_axis0"] = [np.asarray(v).tolist() for v in strategy.experimental_local_results(
+        strategy.run(lambda x: ctx().all_gather(x, axis=0), args=(batch,)))]
+    out["after_errors_sum_of_ids"] = float(strategy.reduce("SUM", strategy.run(lambda: ctx().replica_id_in_sync_group), axis=None))
+
+    # A SyncOnRead variable across workers: one copy per replica, the aggregate on every worker.
+    import keras
+
+    with strategy.scope():
+        v = keras.Variable(1.0, synchronization="on_read", aggregation="sum")
+
+    def add_id():
+        v.assign_add(ctx().replica_id_in_sync_group.astype("float32") + 1.0)
+        return 0.0
+
+    out["sync_on_read_created"] = float(v.numpy())
+    strategy.run(add_id)
+    out["sync_on_read_after"] = float(v.numpy())
+    out["sync_on_read_local"] = [float(x) for x in strategy.experimental_local_results(v)]
+    return out
+
+
 # -- the worker program -------------------------------------------------------------------------
 def _worker(scenario: str, out_dir: str) -> None:
     os.environ["KERAS_BACKEND"] = "jax"
@@ -150,6 +198,11 @@ def _worker(scenario: str, out_dir: str) -> None:
                 os.kill(os.getpid(), signal.SIGKILL)
             if step == 3:
                 print("step 3 done", time.time(), flush=True)
+        return
+
+    if scenario == "shapes":
+        out["mismatched_shapes"] = mismatched_shapes(strategy)
+        pathlib.Path(out_dir, f"worker{me}.json").write_text(json.dumps(out))
         return
 
     # Every example exactly once across workers (DATA sharding of global batches).
@@ -234,6 +287,27 @@ def test_run_reduce_gather_equal_single_process(two_by_two, four_replicas):
             np.testing.assert_allclose(got[key], expected[key], rtol=1e-6)
     assert two_by_two[0]["run"]["local"] == expected["local"][:2]
     assert two_by_two[1]["run"]["local"] == expected["local"][2:]
+
+
+def test_values_of_different_shapes_on_the_workers_never_abort_a_process(tmp_path):
+    first, second = (w["mismatched_shapes"] for w in _launch("shapes", 2, 2, tmp_path))
+    assert first["dim0_local"] == [[0.0], [0.0]] and second["dim0_local"] == [[0.0, 1.0], [0.0, 1.0]]
+    for got in (first, second):
+        assert got["dim0_gather"] == [0.0, 0.0, 0.0, 1.0, 0.0, 1.0]
+        assert got["dim0_sum_axis0"] == 2.0
+        assert got["uneven_all_gather_axis0"] == [[0.0, 1.0, 2.0, 3.0, 4.0, 5.0]] * 2
+        assert got["after_errors_sum_of_ids"] == 6.0  # the job goes on after the errors
+        assert got["sync_on_read_created"] == 4.0 and got["sync_on_read_after"] == 14.0  # 4 copies of 1, then + 1 + 2 + 3 + 4
+    assert first["sync_on_read_local"] == [2.0, 3.0] and second["sync_on_read_local"] == [4.0, 5.0]
+    # The same clear error on every worker (TF's collectives fail on a shape mismatch too).
+    for key, text in [
+        ("dim1_differs", "may differ only in dim 0"),
+        ("uneven_all_reduce_of_rows", "all_reduce got values of shapes [(0,), (2,)]"),
+        ("uneven_all_gather_ranks_differ", "ranks and dtypes must be equal"),
+        ("uneven_all_gather_axis1", "other dims differ between replicas"),
+    ]:
+        assert first[key] is not None and text in first[key], (key, first[key])
+        assert first[key] == second[key]
 
 
 def test_keras_fit_equals_single_process(two_by_two, four_replicas):

@@ -62,25 +62,36 @@ def current_replica_context() -> "ReplicaContext | None":
     return _STATE.get().replica_context
 
 
-@contextlib.contextmanager
-def enter_scope(strategy: "Strategy") -> Iterator[None]:
-    current = _STATE.get()
-    if current.strategy is not None and current.strategy is not strategy:
-        raise RuntimeError(
-            f"Mixing different tf.distribute.Strategy objects: cannot enter the "
-            f"scope of {strategy!r} inside the scope of {current.strategy!r}. "
-            "Exit the first strategy's scope before entering another one, and "
-            "build each model entirely inside one strategy's scope."
-        )
-    if current.replica_context is not None:
-        # TF allows re-entering the same scope inside run; it changes nothing.
-        yield
-        return
-    token = _STATE.set(_State(strategy=strategy, replica_context=None))
-    try:
-        yield
-    finally:
-        _STATE.reset(token)
+class enter_scope:
+    """``strategy.scope()``: a context manager that may be re-entered, even inside itself.
+
+    TF's testSameScopeNesting enters one scope object inside itself
+    (``with a: with b: with a: ...``); each entry pushes its own token.
+    """
+
+    def __init__(self, strategy: "Strategy"):
+        self._strategy = strategy
+        self._tokens: list = []
+
+    def __enter__(self) -> None:
+        current = _STATE.get()
+        if current.strategy is not None and current.strategy is not self._strategy:
+            raise RuntimeError(
+                f"Mixing different tf.distribute.Strategy objects: cannot enter the "
+                f"scope of {self._strategy!r} inside the scope of {current.strategy!r}. "
+                "Exit the first strategy's scope before entering another one, and "
+                "build each model entirely inside one strategy's scope."
+            )
+        if current.replica_context is not None:
+            # TF allows re-entering the same scope inside run; it changes nothing.
+            self._tokens.append(None)
+            return
+        self._tokens.append(_STATE.set(_State(strategy=self._strategy, replica_context=None)))
+
+    def __exit__(self, *exc: object) -> None:
+        token = self._tokens.pop()
+        if token is not None:
+            _STATE.reset(token)
 
 
 @contextlib.contextmanager

@@ -88,7 +88,10 @@ class MirroredStrategy(Strategy):
     Args:
         devices: device names (``["/gpu:0", "/gpu:1"]``) or ``jax.Device``
             objects; default: all local GPUs/TPUs, else all CPU devices JAX exposes.
-        cross_device_ops: accepted for compatibility; collectives are XLA's.
+        cross_device_ops: a ``distribute.NcclAllReduce``, ``HierarchicalCopyAllReduce``,
+            ``ReductionToOneDevice`` or other ``CrossDeviceOps``, accepted for
+            compatibility (TF picks its all-reduce with it); XLA's collectives do
+            every reduction here, so results do not depend on it.
 
     Raises:
         ValueError: an unknown or duplicate device.

@@ -148,6 +148,24 @@ class MultiWorkerExtended(StrategyExtended):
             )
         return gathered[0]
 
+    def _agree_on_shapes(self, local: list, what: str) -> list:
+        """Every worker's ``local`` (a JSON-able list of shapes and dtypes), in worker order.
+
+        Exchanged through the coordination service, not a device collective, so
+        that workers holding values of different shapes learn it before any
+        collective starts (gloo aborts the process on mismatched sizes), and all
+        raise the same error.
+        """
+        if self._exchange is None:
+            return [local]
+        channel = self._exchange.new_channel()
+        gathered = [json.loads(p) for p in self._exchange.all_gather(channel, json.dumps(local).encode(), what)]
+        previous = getattr(self, "_previous_shape_channel", None)
+        if previous is not None:
+            self._exchange.delete(previous)  # every worker has read it: they all wrote this round's key since
+        self._previous_shape_channel = channel
+        return gathered
+
     def _shard_dataset(self, dataset: Any) -> Any:
         """The elements this worker reads (TF's AutoShardPolicy).
 

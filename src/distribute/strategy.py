@@ -117,19 +117,37 @@ class StrategyExtended:
         """
         yield
 
-    def reduce_to(self, reduce_op: ReduceOp | str, value: Any, destinations: Any = None, options: Any = None) -> Mirrored:
-        """Reduces ``value`` across replicas and returns it mirrored (TF: reduce_to).
+    def reduce_to(self, reduce_op: ReduceOp | str, value: Any, destinations: Any = None, options: Any = None) -> Any:
+        """Reduces ``value`` across replicas to ``destinations`` (TF: reduce_to).
 
-        ``destinations`` is accepted for compatibility: the result is mirrored on
-        every replica of this strategy.  Shapes: per-replica ``s`` -> mirrored ``s``.
+        Shapes: per-replica ``s`` -> ``s``.  As TF: a distributed ``value`` with
+        distributed (or no) ``destinations`` gives a Mirrored value; a device
+        name as ``destinations`` gives a plain array; a non-distributed value
+        gives a plain array (MEAN; SUM raises ValueError, as ``reduce``); the
+        default strategy always gives a plain array (``float()`` works).
+
+        Raises:
+            ValueError: unknown op, or SUM of a non-distributed value with more than one replica.
         """
         strategy = self._container_strategy
+        value = _sync_on_read_as_per_replica(value)
         reduced = strategy.reduce(reduce_op, value, axis=None)
+        if isinstance(strategy, _DefaultStrategy) or not isinstance(value, DistributedValues) or isinstance(destinations, (str, jax.Device)):
+            return reduced
         return Mirrored(reduced, strategy)
 
     def batch_reduce_to(self, reduce_op: ReduceOp | str, value_destination_pairs: Sequence, options: Any = None) -> list:
-        """``reduce_to`` over a list of ``(value, destinations)`` pairs."""
-        return [self.reduce_to(reduce_op, v, d, options) for v, d in value_destination_pairs]
+        """``reduce_to`` of each ``(value, destinations)`` pair.
+
+        As TF's MirroredStrategy, every distributed value gives a Mirrored value
+        here, whatever its destinations; the default strategy gives plain arrays.
+        """
+        out = []
+        for value, destinations in value_destination_pairs:
+            value = _sync_on_read_as_per_replica(value)
+            reduced = self.reduce_to(reduce_op, value, None if isinstance(value, DistributedValues) else destinations, options)
+            out.append(reduced)
+        return out
 
     def update(self, var: Any, fn: Callable, args: Sequence = (), kwargs: dict | None = None, group: bool = True) -> Any:
         """Runs ``fn(var, *args, **kwargs)`` to update a mirrored variable in cross-replica context.
@@ -326,6 +344,7 @@ class Strategy:
         op = ReduceOp.from_value(reduce_op)
         _require_cross_replica("strategy.reduce", "use get_replica_context().all_reduce(...)")
         _check_reduce_axis(axis)
+        value = _sync_on_read_as_per_replica(value)
         self._check_values_are_ours(value, "reduce")
         result = jax.tree_util.tree_map(lambda v: self._reduce_one(op, v, axis), value, is_leaf=is_distributed)
         self._extended._step_dispatched(result)
@@ -344,6 +363,7 @@ class Strategy:
         _require_cross_replica("strategy.gather", "use get_replica_context().all_gather(...)")
         if isinstance(axis, bool) or not isinstance(axis, (int, np.integer)):
             raise ValueError(f"strategy.gather: axis must be an int, got {axis!r}.")
+        value = _sync_on_read_as_per_replica(value)
         self._check_values_are_ours(value, "gather")
         result = jax.tree_util.tree_map(lambda v: self._gather_one(v, axis), value, is_leaf=is_distributed)
         self._extended._step_dispatched(result)
@@ -354,8 +374,10 @@ class Strategy:
 
         Padding of partial batches is removed: with 2 replicas, the last batch of
         ``range(5).batch(4)`` gives ``([4], [])``.  A non-distributed value gives
-        ``(value,)``.
+        ``(value,)``.  A SyncOnRead variable gives its replicas' copies (as TF's
+        SyncOnReadVariable; see ``sync_on_read.py``).
         """
+        value = _sync_on_read_as_per_replica(value)
         if isinstance(value, DistributedValues):
             return value.values
         leaves, treedef = jax.tree_util.tree_flatten(value, is_leaf=is_distributed)
@@ -409,6 +431,10 @@ class Strategy:
 
         return DistributedDataset.from_function(self, dataset_fn, options)
 
+    def experimental_distribute_datasets_from_function(self, dataset_fn: Callable, options: Any = None) -> Any:
+        """TF's older name of :meth:`distribute_datasets_from_function` (same behaviour)."""
+        return self.distribute_datasets_from_function(dataset_fn, options)
+
     # -- internals ---------------------------------------------------------------------
     def _check_values_are_ours(self, value: Any, what: str) -> None:
         for leaf in jax.tree_util.tree_leaves(value, is_leaf=is_distributed):
@@ -443,6 +469,13 @@ class Strategy:
             return jnp.concatenate([value._array] * self.num_replicas_in_sync, axis=axis)
         # A plain value comes back unchanged, as in TF 2.21.
         return jnp.asarray(value)
+
+
+def _sync_on_read_as_per_replica(value: Any) -> Any:
+    """SyncOnRead variables in ``value`` as PerReplica values of their copies (TF: they are DistributedValues)."""
+    from distribute import sync_on_read
+
+    return jax.tree_util.tree_map(sync_on_read.as_per_replica, value, is_leaf=is_distributed)
 
 
 def _reduce_plain(op: ReduceOp, value: jax.Array, axis: int | None) -> jax.Array:

@@ -13,7 +13,9 @@ signature:
 3. every call: inputs are placed, the compiled program runs, the assigned
    variables get their new values, outputs come back as PerReplica values.
 
-Variables stay replicated.  A ``sum``-aggregated variable (a metric's running
+Variables stay replicated, except SyncOnRead ones (``sync_on_read.py``): their
+per-replica copies go in sharded, each replica reads and assigns its own, and
+their cross-replica value is aggregated in the program.  A ``sum``-aggregated variable (a metric's running
 total: TF's sync-on-read SUM) adds every replica's change; any other variable
 whose new value differs between replicas (BatchNorm statistics) is combined by
 its ``aggregation``: ``mean`` averages,
@@ -33,9 +35,8 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from distribute import _context, spmd, uneven
+from distribute import _context, spmd, sync_on_read, uneven
 from distribute._keras import KerasVariable, StatelessScope, initialize_all_variables
-from distribute.replica import combine_replicas
 from distribute.values import DistributedValues, Mirrored, PerReplica
 
 AXIS = "replica"
@@ -136,19 +137,21 @@ def run(strategy: Any, fn: Callable, args: tuple, kwargs: dict) -> Any:
     key = (_function_key(fn), treedef, tuple(key_parts))
     if lengths is not None:
         return _run_uneven(strategy, fn, treedef, kinds, dynamic, statics, key, lengths)
-    sharded = [d._array for d, k in zip(dynamic, kinds) if k == _SHARDED]
-    replicated = [_place(_array_of(d), ext._replicated_sharding) for d, k in zip(dynamic, kinds) if k == _REPLICATED]
+    sharded = [d._array for d, k in zip(dynamic, _dynamic_kinds(kinds)) if k == _SHARDED]
+    replicated = [_place(_array_of(d), ext._replicated_sharding) for d, k in zip(dynamic, _dynamic_kinds(kinds)) if k == _REPLICATED]
 
     program = ext._compiled.get(key)
     if program is None or program.compiled is None:
         _warn_on_retracing(ext, fn)
         program = _compile(strategy, fn, treedef, kinds, statics, sharded, replicated)
         ext._compiled[key] = program
-    read_vals = [_place(v._value, ext._replicated_sharding) for v in program.read_vars]
-    write_vals = [_place(v._value, ext._replicated_sharding) for v in program.write_vars]
+    read_vals, write_vals = _variable_inputs(ext, program.read_vars), _variable_inputs(ext, program.write_vars)
     new_vals, outs, sums = program.compiled(read_vals, write_vals, sharded, replicated)
     for var, value in zip(program.write_vars, new_vals):
-        var._value = value
+        if sync_on_read.tracked(var):
+            sync_on_read.store(var, value[1], value[0])  # SyncOnRead: (copies, aggregate)
+        else:
+            var._value = value
     ext._step_dispatched(outs if outs else new_vals)
     sums, outs = iter(sums), iter(outs)
     results = [
@@ -171,9 +174,8 @@ def _compile(strategy, fn, treedef, kinds, statics, sharded, replicated, compile
         write_vars = list(written.values())
         record = _TraceRecord()
         body = _make_body(strategy, fn, treedef, kinds, statics, read_vars, write_vars, record)
-        program_fn = _shard_and_jit(strategy, body)
-        read_vals = [_place(v._value, strategy.extended._replicated_sharding) for v in read_vars]
-        write_vals = [_place(v._value, strategy.extended._replicated_sharding) for v in write_vars]
+        program_fn = _shard_and_jit(strategy, body, read_vars, write_vars)
+        read_vals, write_vals = _variable_inputs(strategy.extended, read_vars), _variable_inputs(strategy.extended, write_vars)
         traced = program_fn.trace(read_vals, write_vals, sharded, replicated)
         # Variables created while tracing (optimizer slots, lazily built layers)
         # were deferred by Keras; give them their values now, outside the trace.
@@ -194,8 +196,15 @@ def _compile(strategy, fn, treedef, kinds, statics, sharded, replicated, compile
     raise AssertionError("variable discovery did not converge")  # pragma: no cover
 
 
-def _shard_and_jit(strategy, body: Callable):
-    return spmd.compile_program(strategy, body, (P(), P(), P(AXIS), P()), (P(), P(AXIS), P()), donate_argnums=(1,))
+def _shard_and_jit(strategy, body: Callable, read_vars: list, write_vars: list):
+    # Variables are replicated, except SyncOnRead ones: their copies, one per replica (sync_on_read.py).
+    in_specs = (sync_on_read.in_specs(read_vars), sync_on_read.in_specs(write_vars), P(AXIS), P())
+    out_specs = (sync_on_read.out_specs(write_vars), P(AXIS), P())
+    return spmd.compile_program(strategy, body, in_specs, out_specs, donate_argnums=(1,))
+
+
+def _variable_inputs(ext: Any, variables: list) -> list:
+    return [sync_on_read.program_input(v, lambda value: _place(value, ext._replicated_sharding)) for v in variables]
 
 
 def _make_body(strategy, fn, treedef, kinds, statics, read_vars, write_vars, record: _TraceRecord):
@@ -210,14 +219,17 @@ def _make_body(strategy, fn, treedef, kinds, statics, read_vars, write_vars, rec
             else:
                 leaves.append(next(static_it))
         args, kwargs = jax.tree_util.tree_unflatten(treedef, leaves)
-        mapping = {id(v): x for v, x in zip(read_vars, read_vals)}
-        mapping.update({id(v): x for v, x in zip(write_vars, write_vals)})
+        mapping = {id(v): sync_on_read.replica_value(v, x) for v, x in zip(read_vars, read_vals)}
+        mapping.update({id(v): sync_on_read.replica_value(v, x) for v, x in zip(write_vars, write_vals)})
         scope = LiftingScope(mapping)
-        with _context.enter_replica(strategy, spmd.replica_context(strategy, _batch_rows(leaves, kinds))), scope:
+        context = spmd.replica_context(strategy, _batch_rows(leaves, kinds))
+        with _context.enter_replica(strategy, context), scope:
             result = fn(*args, **kwargs)
         record.missing = scope.missing
         record.written = scope.written
-        new_vals = [combine_replicas(v, scope.state_mapping[id(v)], old) for v, old in zip(write_vars, write_vals)]
+        old_vals = [mapping[id(v)] for v in write_vars]
+        new_vals = sync_on_read.combine_all(context, write_vars, [scope.state_mapping[id(v)] for v in write_vars], old_vals)
+        new_vals = [(n[0][None], n[1]) if isinstance(n, tuple) else n for n in new_vals]
         out_leaves, record.out_tree = jax.tree_util.tree_flatten(result, is_leaf=_is_keras_variable)
         record.out_kinds, record.out_statics, arrays = _classify_outputs(out_leaves)
         # Small outputs (a step's loss) are also summed over replicas here, in the
@@ -264,8 +276,8 @@ def _run_uneven(strategy, fn, treedef, kinds, dynamic, statics, key, lengths) ->
     discovery_key = ("uneven", *key)
     program = ext._compiled.get(key) or ext._compiled.get(discovery_key)
     if program is None:
-        padded = [d._array for d, k in zip(dynamic, kinds) if k == _SHARDED]
-        replicated = [_place(_array_of(d), ext._replicated_sharding) for d, k in zip(dynamic, kinds) if k == _REPLICATED]
+        padded = [d._array for d, k in zip(dynamic, _dynamic_kinds(kinds)) if k == _SHARDED]
+        replicated = [_place(_array_of(d), ext._replicated_sharding) for d, k in zip(dynamic, _dynamic_kinds(kinds)) if k == _REPLICATED]
         program = _compile(strategy, fn, treedef, kinds, statics, padded, replicated, compile_program=False)
         ext._compiled[discovery_key] = program
     slices = [uneven.local_slices(d, strategy) for d in dynamic]
@@ -283,7 +295,7 @@ def _run_uneven(strategy, fn, treedef, kinds, dynamic, statics, key, lengths) ->
         written = list(program.write_vars) + [v for i, v in scope.written.items() if all(w is not v for w in program.write_vars)]
         old = [_local_value(v, context._device) for v in written]
         new = [scope.state_mapping[id(v)] if id(v) in scope.written else o for v, o in zip(written, old)]
-        combined = context._combine_all(written, new, old)
+        combined = sync_on_read.combine_all(context, written, new, old)
         out_leaves, out_tree = jax.tree_util.tree_flatten(result, is_leaf=_is_keras_variable)
         out_leaves = [x if _is_python_constant(x) else _as_output(x) for x in out_leaves]
         rows = None
@@ -294,7 +306,11 @@ def _run_uneven(strategy, fn, treedef, kinds, dynamic, statics, key, lengths) ->
     results = uneven.run_replicas(strategy, body, lengths.tolist())
     written, _, out_tree, _, all_rows = results[0]
     for i, var in enumerate(written):
-        var._value = uneven.replicated_from_local(strategy, [r[1][i] for r in results])
+        if sync_on_read.tracked(var):  # (this replica's copy, the aggregate) from each replica
+            copies, _ = uneven.per_replica_from_local(strategy, [r[1][i][0] for r in results])
+            sync_on_read.store(var, uneven.replicated_from_local(strategy, [r[1][i][1] for r in results]), copies)
+        else:
+            var._value = uneven.replicated_from_local(strategy, [r[1][i] for r in results])
     outputs = []
     for j in range(len(results[0][3])):
         values = [r[3][j] for r in results]
@@ -309,9 +325,16 @@ def _run_uneven(strategy, fn, treedef, kinds, dynamic, statics, key, lengths) ->
     return jax.tree_util.tree_unflatten(out_tree, outputs)
 
 
+def _dynamic_kinds(kinds: list) -> list:
+    """The kinds of the array leaves only (``dynamic`` holds no static leaves)."""
+    return [k for k in kinds if k != _STATIC]
+
+
 def _local_value(var: KerasVariable, device: Any) -> Any:
-    """Variable ``var``'s copy on ``device`` (its replicated array's shard there)."""
+    """Variable ``var``'s copy on ``device`` (its replicated array's shard there; a SyncOnRead one's own copy)."""
     value = var._value
+    if sync_on_read.tracked(var):
+        return next(s.data[0] for s in sync_on_read.copies(var).addressable_shards if s.device == device)
     if isinstance(value, jax.Array):
         for shard in value.addressable_shards:
             if shard.device == device:
@@ -339,22 +362,12 @@ def _as_output(x: Any) -> jax.Array:
 
 
 def check_ownership(strategy, variables: list) -> None:
-    from distribute.keras_support.hooks import describe_owner
+    """Raises the ValueError of ``keras_support.hooks.ownership_error`` for the first variable not made in ``strategy``'s scope."""
+    from distribute.keras_support.hooks import ownership_error
 
     for var in variables:
         if not strategy.extended._owns(var):
-            where = getattr(var, "_distribute_strategy", None)
-            if where is None:
-                raise ValueError(
-                    f"{describe_owner(var)} was created outside any strategy.scope() and is used "
-                    f"with {strategy!r} (strategy.run or model.fit). Create models, optimizers and "
-                    "metrics inside the scope: `with strategy.scope(): model = ...; optimizer = ...`."
-                )
-            raise ValueError(
-                f"{describe_owner(var)} belongs to {where!r} (it was created in that scope) and is "
-                f"used with {strategy!r}. Use each model, optimizer and metric with the strategy "
-                "whose scope created it."
-            )
+            raise ownership_error(strategy, var)
 
 
 def _function_key(fn: Callable) -> Any:

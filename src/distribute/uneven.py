@@ -349,12 +349,12 @@ def _sum_over_replicas(strategy: Any, columns: list[list]) -> list[list]:
     if not columns:
         return [[] for _ in strategy.extended._local_devices]
     ext = strategy.extended
-    for i, col in enumerate(columns):
-        shapes = {tuple(jnp.shape(v)) for v in col}
-        if len(shapes) > 1:
+    for every in _shapes_everywhere(strategy, columns, "an all_reduce of an uneven step"):
+        shapes, dtypes = sorted({shape for shape, _ in every}), sorted({dtype for _, dtype in every})
+        if len(shapes) > 1 or len(dtypes) > 1:
             raise ValueError(
-                f"all_reduce got values of shapes {sorted(shapes)} on different replicas; every "
-                "replica must pass a value of the same shape (reduce the batch dim first, e.g. "
+                f"all_reduce got values of shapes {shapes} (dtypes {dtypes}) on different replicas; every "
+                "replica must pass a value of the same shape and dtype (reduce the batch dim first, e.g. "
                 "with a sum over axis 0)."
             )
     totals = _sum_program(ext._replicated_sharding)([_global_from_local(strategy, col) for col in columns])
@@ -369,19 +369,34 @@ def _everyone(strategy: Any, columns: list[list]) -> list[np.ndarray]:
     return [np.asarray(g) for g in gathered]
 
 
+def _shapes_everywhere(strategy: Any, columns: list[list], what: str) -> list[list[tuple]]:
+    """Per leaf, every replica's ``(shape, dtype)`` in the job, in replica order.
+
+    With several workers they are exchanged through the coordination service
+    first (``MultiWorkerExtended._agree_on_shapes``), so a mismatch between
+    workers raises the same ValueError on every worker instead of reaching a
+    device collective (gloo aborts a process on mismatched sizes).
+    """
+    local = [[[list(jnp.shape(v)), str(jnp.result_type(v))] for v in col] for col in columns]
+    per_worker = [local] if jax.process_count() == 1 else strategy.extended._agree_on_shapes(local, what)
+    return [[(tuple(shape), dtype) for worker in per_worker for shape, dtype in worker[i]] for i in range(len(columns))]
+
+
 def _gather_over_replicas(strategy: Any, columns: list[list], axis: int) -> list[list]:
     """Concatenates every replica's value of each leaf along ``axis``; sizes along it may differ."""
     ext = strategy.extended
     out_columns = []
-    for col in columns:
-        ndim = jnp.ndim(col[0])
+    for col, every in zip(columns, _shapes_everywhere(strategy, columns, "an all_gather of an uneven step")):
+        shapes = [shape for shape, _ in every]
+        if len({len(shape) for shape in shapes}) > 1 or len({dtype for _, dtype in every}) > 1:
+            raise ValueError(
+                f"all_gather got values of shapes {sorted(set(shapes))} (dtypes {sorted({d for _, d in every})}) on "
+                "different replicas: their ranks and dtypes must be equal; only the gathered axis may differ."
+            )
+        ndim = len(shapes[0])
         ax = axis % ndim
-        others = {tuple(jnp.shape(v)[:ax] + jnp.shape(v)[ax + 1 :]) for v in col}
-        sizes = np.array([jnp.shape(v)[ax] for v in col], np.int32)
-        if jax.process_count() > 1:
-            shapes = _everyone(strategy, [[np.asarray(jnp.shape(v), np.int32) for v in col]])[0]
-            sizes = shapes[:, ax]
-            others = {tuple(np.delete(s, ax).tolist()) for s in shapes}
+        others = {shape[:ax] + shape[ax + 1 :] for shape in shapes}
+        sizes = np.array([shape[ax] for shape in shapes], np.int32)
         if len(others) > 1:
             raise ValueError(
                 f"all_gather along axis {axis} got values whose other dims differ between replicas "
@@ -389,8 +404,8 @@ def _gather_over_replicas(strategy: Any, columns: list[list], axis: int) -> list
             )
         width = max(int(sizes.max()), 0)
         padded = [jnp.concatenate([v, jnp.zeros(v.shape[:ax] + (width - v.shape[ax],) + v.shape[ax + 1 :], v.dtype)], axis=ax) for v in col]
-        every = _everyone(strategy, [padded])[0]
-        pieces = [np.take(every[r], np.arange(int(n)), axis=ax) for r, n in enumerate(sizes.tolist())]
+        gathered = _everyone(strategy, [padded])[0]
+        pieces = [np.take(gathered[r], np.arange(int(n)), axis=ax) for r, n in enumerate(sizes.tolist())]
         whole = np.concatenate(pieces, axis=ax)
         out_columns.append([jax.device_put(whole, d) for d in ext._local_devices])
     return [list(per_device) for per_device in zip(*out_columns)]

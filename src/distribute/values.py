@@ -106,6 +106,8 @@ class PerReplica(DistributedValues):
                 f"{num_local} local replicas; give one value per replica."
             )
         array, lengths = stack_padded(values)
+        if jax.process_count() > 1 and hasattr(strategy.extended, "_agree_on_shapes"):
+            array, lengths = _agree_across_workers(strategy, values, array)
         self._strategy = strategy
         self._array = strategy.extended._put_per_replica(array)
         self._lengths = lengths
@@ -184,6 +186,35 @@ def stack_padded(values: Sequence[Any]) -> tuple[np.ndarray | jax.Array, np.ndar
         for v in values
     ]
     return np.stack(padded), lengths
+
+
+def _agree_across_workers(strategy: "Strategy", values: list, array: Any) -> tuple[Any, np.ndarray | None]:
+    """Every worker's per-replica shapes, agreed before any collective: pads dim 0 to the job's widest.
+
+    Returns this worker's stacked values (padded) and every replica's real row
+    count in the job (None when all are equal).
+
+    Raises:
+        ValueError: on every worker alike, when ranks, dtypes or dims other than
+            dim 0 differ between any two replicas of the job.
+    """
+    local = [[list(np.shape(v)), str(np.result_type(v))] for v in values]
+    per_worker = strategy.extended._agree_on_shapes(local, "a PerReplica value's shapes")
+    shapes = [tuple(shape) for worker in per_worker for shape, _ in worker]
+    dtypes = sorted({dtype for worker in per_worker for _, dtype in worker})
+    if len(set(shapes)) == 1 and len(dtypes) == 1:
+        return array, None
+    if len({len(s) for s in shapes}) != 1 or 0 in {len(s) for s in shapes} or len({s[1:] for s in shapes}) != 1 or len(dtypes) != 1:
+        raise ValueError(
+            f"Per-replica values have shapes {shapes} and dtypes {dtypes} across the workers: they may differ "
+            "only in dim 0 (the batch dim). Make the other dims and the dtype equal on every replica of every worker."
+        )
+    lengths = np.array([s[0] for s in shapes], dtype=np.int64)
+    width = int(lengths.max())
+    array = np.asarray(array)
+    padded = np.zeros((array.shape[0], width, *array.shape[2:]), array.dtype)
+    padded[:, : array.shape[1]] = array
+    return padded, lengths
 
 
 def is_distributed(value: Any) -> bool:

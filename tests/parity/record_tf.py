@@ -560,6 +560,12 @@ import record_tf_uneven  # noqa: E402
 
 record_tf_uneven.register(add_task, py, local, mirrored, guarded)
 
+# ----------------------------------------------------------------- values ---
+# SyncOnRead variables, regrouping, reduce_to, cross_device_ops (record_tf_values.py).
+import record_tf_values  # noqa: E402
+
+record_tf_values.register(add_task, py, local, mirrored, guarded)
+
 
 # ------------------------------------------------------------------- main ---
 
@@ -616,7 +622,7 @@ def main(only=None):
         },
     }
     order = ["batch_split", "gather_reduce_partial_batches", "reduce", "losses", "replica_context",
-             "keras_fit", "custom_loop", "errors", "tf_quirks", "data", "uneven"]
+             "keras_fit", "custom_loop", "errors", "tf_quirks", "data", "uneven", "values"]
     if only is not None:
         with open(OUT) as f:
             previous = json.load(f)

@@ -97,6 +97,10 @@ class InputContext:
             )
         return global_batch_size // self._num_replicas_in_sync
 
+    def __str__(self) -> str:
+        """TF's text: ``tf.distribute.InputContext(input pipeline id 1, total: 2)``."""
+        return f"tf.distribute.InputContext(input pipeline id {self._input_pipeline_id}, total: {self._num_input_pipelines})"
+
     def __repr__(self) -> str:
         return (
             f"InputContext(num_input_pipelines={self._num_input_pipelines}, "

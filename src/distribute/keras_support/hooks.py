@@ -32,7 +32,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from distribute import _context
+from distribute import _context, sync_on_read
 from distribute._keras import BaseOptimizer, BatchNormalization, JaxVariable, Layer, Metric, SeedGenerator, install_per_thread_attributes
 from distribute._keras import patch as _patch
 from distribute.tracing import check_ownership
@@ -49,6 +49,8 @@ def install() -> None:
     from distribute.keras_support import trainer
 
     _patch(JaxVariable, "_initialize_layout", _variable_initialize_layout)
+    _patch(JaxVariable, "_initialize", _variable_initialized)
+    _patch(JaxVariable, "_initialize_with_initializer", _variable_initialized)
     _patch(BaseOptimizer, "__init__", _optimizer_init)
     _patch(BaseOptimizer, "apply", _optimizer_apply)
     _patch(Metric, "__init__", _metric_init)
@@ -70,6 +72,23 @@ def _variable_initialize_layout(original):
         return original(self)
 
     return _initialize_layout
+
+
+def _variable_initialized(original):
+    """After a variable's first value is set: a SyncOnRead one's value becomes its copies' aggregate."""
+
+    def initialize(self, *args):
+        outer = not self.__dict__.get("_distribute_initializing")
+        self.__dict__["_distribute_initializing"] = True
+        try:
+            original(self, *args)
+        finally:
+            if outer:
+                del self.__dict__["_distribute_initializing"]
+        if outer:
+            sync_on_read.on_created(self)
+
+    return initialize
 
 
 def _optimizer_init(original):
@@ -216,13 +235,48 @@ def describe_object(obj: Any) -> str:
     return f"{kind} '{type(obj).__name__}' (name {getattr(obj, 'name', '?')!r})"
 
 
-def describe_owner(variable: Any) -> str:
-    """Names the optimizer or metric that owns ``variable``, else the variable itself."""
+def _owner(variable: Any) -> Any:
+    """The most specific optimizer or metric holding ``variable`` (a user's metric, not Keras' MetricsList)."""
+    owners = []
     for obj in list(_OBJECTS):
         try:
             owned = obj.variables
         except Exception:  # noqa: BLE001 - an object mid-construction
             continue
         if any(v is variable for v in owned):
-            return describe_object(obj)
-    return f"Keras variable '{variable.path}' (of a layer or model)"
+            # Fewest variables first; on a tie, not one of Keras' compile containers (CompileMetrics, MetricsList).
+            owners.append((len(owned), type(obj).__module__.startswith("keras.src.trainers"), id(obj), obj))
+    return min(owners, key=lambda entry: entry[:3])[3] if owners else None
+
+
+def describe_owner(variable: Any) -> str:
+    """Names the optimizer or metric that owns ``variable``, else the variable itself."""
+    owner = _owner(variable)
+    return describe_object(owner) if owner is not None else f"Keras variable '{variable.path}' (of a layer or model)"
+
+
+def ownership_error(strategy: Any, variable: Any) -> ValueError:
+    """The error for ``variable`` used with ``strategy`` but not made in its scope; names the user's object."""
+    owner = _owner(variable)
+    what = describe_object(owner) if owner is not None else f"Keras variable '{variable.path}' (of a layer or model)"
+    where = getattr(variable, "_distribute_strategy", None)
+    made_in = getattr(owner, "_distribute_strategy", None) if owner is not None else None
+    if where is None and made_in is strategy:
+        if what.startswith("optimizer"):
+            verb, fix = "built", "`with strategy.scope(): optimizer.build(model.trainable_variables)` (or let its first apply_gradients inside strategy.run / model.fit build it)"
+        else:
+            verb, fix = "first used (its variables were created)", "call update_state for the first time inside the scope or inside strategy.run"
+        return ValueError(
+            f"{what} was created inside {strategy!r}'s scope, but {verb} outside it: its variable "
+            f"'{variable.path}' was created outside any strategy.scope(). Build it inside the scope too: {fix}."
+        )
+    if where is None:
+        return ValueError(
+            f"{what} was created outside any strategy.scope() and is used with {strategy!r} "
+            "(strategy.run or model.fit). Create models, optimizers and metrics inside the scope: "
+            "`with strategy.scope(): model = ...; optimizer = ...`."
+        )
+    return ValueError(
+        f"{what} belongs to {where!r} (it was created in that scope) and is used with {strategy!r}. "
+        "Use each model, optimizer and metric with the strategy whose scope created it."
+    )
