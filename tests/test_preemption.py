@@ -309,6 +309,7 @@ class Process:
         return code
 
 
+@pytest.mark.multiprocess
 def test_single_worker_process_sigterm_exit_42_and_relaunch(tmp_path, reference):
     command = [sys.executable, str(HERE / "preemption_job.py"), str(tmp_path / "ckpt"), str(tmp_path / "out.npz")]
     env = {**_env(), "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}
@@ -324,6 +325,7 @@ def test_single_worker_process_sigterm_exit_42_and_relaunch(tmp_path, reference)
     assert_same_result(dict(np.load(tmp_path / "out.npz")), reference)
 
 
+@pytest.mark.multiprocess
 def test_two_workers_sigterm_to_one_worker_through_the_launcher(tmp_path, reference):
     """SIGTERM to worker 1 only: both workers save at the same run and exit 42; relaunched, the result is exact."""
     launcher = [sys.executable, "-m", "distribute.launch", "--num-workers", "2", "--devices-per-worker", "1",
