@@ -345,3 +345,38 @@ def test_two_workers_sigterm_to_one_worker_through_the_launcher(tmp_path, refere
     assert second.wait() == 0, second.text[-4000:]
     assert f"[worker 1] run {saved + 1}\n" in second.text and "[worker 0] run 1\n" not in second.text
     assert_same_result(dict(np.load(tmp_path / "out.npz")), reference)
+
+
+def test_readme_preemption_example_runs_and_resumes(tmp_path):
+    readme = (HERE.parent / "README.md").read_text()
+    section = readme[readme.index("### Preemption: PreemptionCheckpointHandler"):]
+    code = section.split("```python\n", 1)[1].split("```", 1)[0]
+    x = np.arange(48, dtype=np.float32).reshape(12, 4) / 48
+    prelude = {
+        "distribute": distribute, "keras": keras, "EPOCHS": 2, "STEPS_PER_EPOCH": 3, "checkpoint_dir": str(tmp_path),
+        "make_model": lambda: keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)]),
+        "dataset": distribute.data.Dataset.from_tensor_slices((x, x[:, :1])).batch(2),
+    }
+
+    def distributed_train_step(inputs):
+        ns = namespace
+
+        def step_fn(features, labels):
+            def loss_fn():
+                return distribute.compute_average_loss(keras.ops.square(ns["model"](features) - labels)[:, 0])
+
+            loss, grads = distribute.compute_gradients(loss_fn, ns["model"].trainable_variables)
+            ns["optimizer"].apply_gradients(zip(grads, ns["model"].trainable_variables))
+            return loss
+
+        if ns.get("stop_at") == ns["handler"].total_run_calls:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return ns["strategy"].reduce("SUM", ns["strategy"].run(step_fn, args=inputs), axis=None)
+
+    namespace = {**prelude, "distributed_train_step": distributed_train_step, "stop_at": 2}
+    with pytest.raises(SystemExit) as exited:
+        exec(compile(code, "README.md", "exec"), namespace)  # noqa: S102 - the README's own example
+    assert exited.value.code == 42 and namespace["handler"].total_run_calls == 4
+    namespace = {**prelude, "distributed_train_step": distributed_train_step}
+    exec(compile(code, "README.md", "exec"), namespace)  # noqa: S102
+    assert namespace["handler"].total_run_calls == 6 and float(namespace["loss"]) >= 0
