@@ -72,7 +72,9 @@ def test_tf_config_change_after_creation_warns_at_the_next_step(monkeypatch, cap
 
     monkeypatch.delenv("TF_CONFIG", raising=False)
     strategy = MultiWorkerMirroredStrategy()
-    step = lambda: strategy.run(lambda: 1.0)  # noqa: E731
+    def step():
+        return strategy.run(lambda: 1.0)
+
     with caplog.at_level(logging.WARNING, logger="distribute"):
         step()
         assert not [r for r in caplog.records if "TF_CONFIG" in r.getMessage()]

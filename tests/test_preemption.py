@@ -25,11 +25,11 @@ from pathlib import Path
 
 import keras
 import numpy as np
+import preemption_job as job
 import pytest
 from helpers import mirrored
 
 import distribute
-import preemption_job as job
 from distribute.experimental import PreemptionCheckpointHandler, TerminationConfig
 
 HERE = Path(__file__).resolve().parent
@@ -70,8 +70,8 @@ def sigterm_at(run: int, seen: dict):
 
 def assert_same_result(got: dict, want: dict) -> None:
     assert sorted(got) == sorted(want)
-    for key in want:
-        np.testing.assert_array_equal(np.asarray(got[key]), np.asarray(want[key]), err_msg=key)
+    for key, value in want.items():
+        np.testing.assert_array_equal(np.asarray(got[key]), np.asarray(value), err_msg=key)
 
 
 def saved_runs(directory: Path) -> dict[str, int]:

@@ -32,7 +32,11 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from distribute.checkpoint import _storage
-from distribute.checkpoint._preemption_sync import INITIAL_RUN_COUNT_KEY, LAST_RUN_COUNT_KEY, cluster_sync
+from distribute.checkpoint._preemption_sync import (
+    INITIAL_RUN_COUNT_KEY,
+    LAST_RUN_COUNT_KEY,
+    cluster_sync,
+)
 from distribute.checkpoint.checkpoint import Checkpoint
 from distribute.checkpoint.manager import CheckpointManager, latest_checkpoint
 
