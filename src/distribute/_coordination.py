@@ -149,8 +149,9 @@ def _start_preemption_service_keeping_sigterm(state: Any) -> None:
 
     jaxlib's preemption notifier installs its own C++ SIGTERM handler, which
     swallows the signal: a worker of a job told to stop would train on until
-    SIGKILL.  As in TF, SIGTERM keeps its default action (the process ends)
-    unless the program handles it, e.g. through a ``PreemptionCheckpointHandler``
+    SIGKILL.  As in TF, SIGTERM ends the process (after a checkpoint save in
+    flight is committed, see ``_end_on_sigterm``) unless the program handles
+    it, e.g. through a ``PreemptionCheckpointHandler``
     (which agrees on a step through the key-value store, not through jax's
     manager; ``multihost_utils.reached_preemption_sync_point`` stays callable).
     """
@@ -158,7 +159,26 @@ def _start_preemption_service_keeping_sigterm(state: Any) -> None:
     previous = signal.getsignal(signal.SIGTERM) if main else None
     state.initialize_preemption_sync_manager()
     if main and previous is not None:
-        signal.signal(signal.SIGTERM, previous)
+        signal.signal(signal.SIGTERM, _end_on_sigterm if previous == signal.SIG_DFL else previous)
+
+
+def _end_on_sigterm(signum: int, frame: Any) -> None:
+    """SIGTERM without a handler of the program's: the process ends by SIGTERM, as TF's, once the
+    checkpoint being written (an asynchronous save in flight) is committed.
+
+    The wait runs in a thread (a signal handler must not take the save's lock);
+    a second SIGTERM ends the process at once; the launcher's SIGKILL bounds it.
+    """
+    del frame
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+    def end() -> None:
+        from distribute.checkpoint import _storage
+
+        _storage.wait_for_background_writes()
+        os.kill(os.getpid(), signum)
+
+    threading.Thread(target=end, name="distribute-sigterm", daemon=True).start()
 
 
 def _never_joined(cluster: _Cluster, seconds: int) -> None:
