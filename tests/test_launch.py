@@ -243,3 +243,51 @@ def test_ctrl_c_is_forwarded_to_every_task(tmp_path):
     text = "".join(seen)
     assert "[worker 0] interrupted" in text and "[worker 1] interrupted" in text
     assert "got SIGINT; forwarding it to every task" in text
+
+
+def test_sigterm_is_forwarded_and_ends_multi_worker_strategy_workers_at_once(tmp_path):
+    """SIGTERM to the launcher reaches every worker, and a MultiWorkerMirroredStrategy worker ends on it
+    (jaxlib's preemption notifier would otherwise swallow it and the workers would train on until SIGKILL);
+    a checkpoint save in flight is committed first (test_backup_restore's lost-worker test needs it)."""
+    path = script(tmp_path, """
+        import os, signal, time
+        import distribute
+        strategy = distribute.MultiWorkerMirroredStrategy()
+        print("ready", strategy.num_replicas_in_sync, flush=True)
+        time.sleep(60)
+    """)
+    env = {**os.environ, **CHILD_ENV, "KERAS_BACKEND": "jax"}
+    proc = subprocess.Popen([sys.executable, "-m", "distribute.launch", "--num-workers", "2", "--devices-per-worker", "1",
+                             "--grace-seconds", "30", path],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: queue.Queue = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True).start()
+    seen = []
+    try:
+        deadline = time.monotonic() + 60
+        while sum("ready" in line for line in seen) < 2:
+            assert time.monotonic() < deadline and proc.poll() is None, "".join(seen)
+            try:
+                seen.append(lines.get(timeout=0.1))
+            except queue.Empty:
+                pass
+        signalled = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=25) == 128 + signal.SIGTERM
+        assert time.monotonic() - signalled < 15  # well inside the 30 s grace: nobody needed SIGKILL
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=5)
+    time.sleep(0.2)
+    while not lines.empty():
+        seen.append(lines.get_nowait())
+    text = "".join(seen)
+    assert "[worker 0] ready 2" in text and "[worker 1] ready 2" in text
+    assert "got SIGTERM; forwarding it to every task" in text
+    assert "exit codes: worker 0: -15, worker 1: -15; exiting with 143" in text, text[-3000:]
+
+
+def test_grace_seconds_option_is_validated():
+    result = cli(["--num-workers", "1", "--grace-seconds", "-1", "x.py"])
+    assert result.returncode == 2 and "--grace-seconds is -1.0; it must be >= 0" in result.stderr

@@ -61,3 +61,48 @@ def test_a_ps_task_is_refused_even_with_one_worker():
     )
     with pytest.raises(ValueError, match="'ps'"):
         MultiWorkerMirroredStrategy(cluster_resolver=resolver)
+
+
+# -- TF_CONFIG changed after the strategy was created ------------------------------------------
+
+
+def test_tf_config_change_after_creation_warns_at_the_next_step(monkeypatch, caplog):
+    import json
+    import logging
+
+    monkeypatch.delenv("TF_CONFIG", raising=False)
+    strategy = MultiWorkerMirroredStrategy()
+    def step():
+        return strategy.run(lambda: 1.0)
+
+    with caplog.at_level(logging.WARNING, logger="distribute"):
+        step()
+        assert not [r for r in caplog.records if "TF_CONFIG" in r.getMessage()]
+        new = json.dumps({"cluster": {"worker": ["127.0.0.1:1", "127.0.0.1:2"]}, "task": {"type": "worker", "index": 1}})
+        monkeypatch.setenv("TF_CONFIG", new)
+        step()
+        warned = [r.getMessage() for r in caplog.records if "TF_CONFIG" in r.getMessage()]
+        assert len(warned) == 1
+        assert "it was unset, it is now " + repr(new) in warned[0]
+        assert "keeps the cluster it joined at creation (1 worker(s), this is worker 0)" in warned[0]
+        step()
+        step()
+        assert len([r for r in caplog.records if "TF_CONFIG" in r.getMessage()]) == 1  # once per change
+        monkeypatch.delenv("TF_CONFIG")
+        step()
+        warned = [r.getMessage() for r in caplog.records if "TF_CONFIG" in r.getMessage()]
+        assert len(warned) == 2 and "it is now unset" in warned[1]
+    assert strategy.num_replicas_in_sync == MultiWorkerMirroredStrategy().num_replicas_in_sync  # unchanged cluster
+
+
+def test_tf_config_watch_reads_the_one_environment_module():
+    from distribute.cluster import _env
+
+    environ = {"TF_CONFIG": "a"}
+    watch = _env.Watch("TF_CONFIG", environ)
+    assert not watch.changed() and watch.first == "a"
+    environ["TF_CONFIG"] = "b"
+    assert watch.changed() and watch.value == "b"
+    assert not watch.changed()
+    del environ["TF_CONFIG"]
+    assert watch.changed() and watch.value is None

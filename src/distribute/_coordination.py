@@ -12,6 +12,7 @@ import atexit
 import dataclasses
 import logging
 import os
+import signal
 import sys
 import threading
 import time
@@ -135,12 +136,49 @@ def _join(cluster: _Cluster, timeout_seconds: float) -> Any:
         ) from err
     finally:
         never_joined.cancel()
-    state.initialize_preemption_sync_manager()
+    _start_preemption_service_keeping_sigterm(state)
     watchdog = _Watchdog(state.client, cluster, timeout_seconds)
     watchdog.start()
     _fail_fast_on_unhandled_exceptions(cluster)
     _fail_fast_on_exit(cluster, watchdog)
     return state.client
+
+
+def _start_preemption_service_keeping_sigterm(state: Any) -> None:
+    """Starts jax's preemption sync manager (as ``jax.distributed.initialize``), keeping SIGTERM's Python handler.
+
+    jaxlib's preemption notifier installs its own C++ SIGTERM handler, which
+    swallows the signal: a worker of a job told to stop would train on until
+    SIGKILL.  As in TF, SIGTERM ends the process (after a checkpoint save in
+    flight is committed, see ``_end_on_sigterm``) unless the program handles
+    it, e.g. through a ``PreemptionCheckpointHandler``
+    (which agrees on a step through the key-value store, not through jax's
+    manager; ``multihost_utils.reached_preemption_sync_point`` stays callable).
+    """
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.getsignal(signal.SIGTERM) if main else None
+    state.initialize_preemption_sync_manager()
+    if main and previous is not None:
+        signal.signal(signal.SIGTERM, _end_on_sigterm if previous == signal.SIG_DFL else previous)
+
+
+def _end_on_sigterm(signum: int, frame: Any) -> None:
+    """SIGTERM without a handler of the program's: the process ends by SIGTERM, as TF's, once the
+    checkpoint being written (an asynchronous save in flight) is committed.
+
+    The wait runs in a thread (a signal handler must not take the save's lock);
+    a second SIGTERM ends the process at once; the launcher's SIGKILL bounds it.
+    """
+    del frame
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+    def end() -> None:
+        from distribute.checkpoint import _storage
+
+        _storage.wait_for_background_writes()
+        os.kill(os.getpid(), signum)
+
+    threading.Thread(target=end, name="distribute-sigterm", daemon=True).start()
 
 
 def _never_joined(cluster: _Cluster, seconds: int) -> None:
@@ -168,9 +206,16 @@ def _stop_now(message: str, code: int) -> None:
 
 
 class _ExitStatus:
-    """Records the status given to ``sys.exit`` (Python does not expose it to atexit handlers)."""
+    """Records the status given to ``sys.exit`` (Python does not expose it to atexit handlers).
+
+    ``agreed`` is set when every worker leaves together on purpose (a
+    preemption checkpoint was saved by all): the exit then goes as a normal
+    one (through jax.distributed's shutdown barrier, which every worker
+    reaches), so no peer reports this worker as lost.
+    """
 
     code: int = 0
+    agreed: bool = False
 
     @classmethod
     def install(cls) -> None:
@@ -182,6 +227,11 @@ class _ExitStatus:
 
         exit.__doc__ = real_exit.__doc__
         sys.exit = exit
+
+
+def agreed_exit(agreed: bool) -> None:
+    """Marks the coming exit of this worker as agreed by every worker (not a failure to report), or not any more."""
+    _ExitStatus.agreed = agreed
 
 
 def _fail_fast_on_exit(cluster: _Cluster, watchdog: _Watchdog) -> None:
@@ -196,8 +246,8 @@ def _fail_fast_on_exit(cluster: _Cluster, watchdog: _Watchdog) -> None:
 
     def at_exit() -> None:
         code = _ExitStatus.code
-        if code == 0:
-            return
+        if code == 0 or _ExitStatus.agreed:
+            return  # every worker leaves: jax.distributed's shutdown barrier passes, as on a normal exit
         watchdog.stop(f"failed:{code}")
         _stop_now(f"{cluster.names[cluster.worker_id]} exits with status {code}; the other workers stop too.", code)
 
@@ -346,6 +396,52 @@ class _Exchange:
             self._client.key_value_delete(f"{key}/{self._cluster.worker_id}")
         except Exception:  # noqa: BLE001 - cleanup only
             pass
+
+    # -- single keys (the preemption protocol) --------------------------------------------------
+    @property
+    def cluster(self) -> _Cluster:
+        return self._cluster
+
+    @property
+    def timeout_seconds(self) -> float:
+        return self._timeout
+
+    def claim(self, key: str, value: str) -> bool:
+        """Sets ``key`` unless some worker set it first; True when this worker's value is the one stored."""
+        try:
+            self._client.key_value_set(key, value)
+            return True
+        except Exception as err:
+            if "ALREADY_EXISTS" in str(err) or "already exists" in str(err).lower():
+                return False
+            raise
+
+    def wait_for(self, key: str, timeout_seconds: float) -> str | None:
+        """The value of ``key`` once some worker sets it, or None after ``timeout_seconds``."""
+        try:
+            return self._client.blocking_key_value_get(key, max(int(timeout_seconds * 1000), 1))
+        except Exception as err:
+            if "DEADLINE_EXCEEDED" in str(err) or "timed out" in str(err).lower():
+                return None
+            raise
+
+    def barrier(self, name: str, what: str, worker_ids: Any = None) -> None:
+        """Waits until every worker (or ``worker_ids``) reaches barrier ``name``, within the communication timeout.
+
+        Raises:
+            WorkerLostError: some worker did not reach it in time; the message names ``what``.
+        """
+        timeout_ms = max(int(self._timeout * 1000), 1)
+        try:
+            if worker_ids is None:
+                self._client.wait_at_barrier(name, timeout_ms)
+            else:
+                self._client.wait_at_barrier(name, timeout_ms, list(worker_ids))
+        except Exception as err:
+            raise WorkerLostError(
+                f"{_missing_text(self._cluster, range(self._cluster.num_workers))} did not reach {what} within "
+                f"{self._timeout:g} s (CommunicationOptions.timeout_seconds): a worker is lost or stuck. ({err})"
+            ) from err
 
 
 # -- the strategy ---------------------------------------------------------------------------

@@ -13,6 +13,8 @@ _EXPORTS = {
     "TPUStrategy": "distribute.tpu",
     "ParameterServerStrategy": "distribute.parameter_server.strategy",
     "ValueContext": "distribute.strategy",
+    "PreemptionCheckpointHandler": "distribute.checkpoint.preemption",
+    "TerminationConfig": "distribute.checkpoint.preemption",
 }
 _ALIASES = {"CollectiveCommunication": "CommunicationImplementation"}
 _SUBMODULES = {"partitioners": "distribute.parameter_server.partitioners", "coordinator": "distribute.coordinator"}

@@ -3,7 +3,7 @@
 Usage::
 
     python -m distribute.launch --num-workers 2 [--devices-per-worker 4] [--chief]
-        [--timeout-seconds 600] train.py [ARGS...]
+        [--timeout-seconds 600] [--grace-seconds 3] train.py [ARGS...]
     python -m distribute.launch --num-workers 2 -m my_package.train [ARGS...]
 
 Every worker is the same Python program; each gets a TF_CONFIG naming the
@@ -13,8 +13,10 @@ whole cluster (free 127.0.0.1 ports) and its own task, as
 (`XLA_FLAGS=--xla_force_host_platform_device_count=K`, `JAX_PLATFORMS=cpu`).
 Output lines are prefixed with the task (`[worker 1] ...`). If one task
 exits non-zero the others are stopped (SIGTERM, then SIGKILL after a grace
-period) and the launcher exits non-zero naming it; Ctrl-C is forwarded to every
-task. The exit status is 0 only when every task exits 0.
+period) and the launcher exits non-zero naming it; Ctrl-C and SIGTERM are
+forwarded to every task (a PreemptionCheckpointHandler then saves and exits;
+give it `--grace-seconds` longer than a step plus a save). The exit status is
+0 only when every task exits 0.
 
 Standard library only (POSIX: tasks run in their own process groups); it never
 imports JAX. `launch()` is the same launcher as a function, for tests.
@@ -375,7 +377,7 @@ def launch(argv_or_command: Sequence[str] | str, num_workers: int, devices_per_w
                         failed.name if failed is not None else None, timed_out)
 
 
-_VALUE_OPTIONS = ("--num-workers", "--devices-per-worker", "--timeout-seconds")
+_VALUE_OPTIONS = ("--num-workers", "--devices-per-worker", "--timeout-seconds", "--grace-seconds")
 
 
 def _split_argv(argv: Sequence[str]) -> tuple[list[str], list[str]]:
@@ -400,7 +402,7 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m distribute.launch",
         usage="%(prog)s --num-workers N [--devices-per-worker K] [--chief] "
-              "[--timeout-seconds S] (SCRIPT | -m MODULE) [ARGS...]",
+              "[--timeout-seconds S] [--grace-seconds S] (SCRIPT | -m MODULE) [ARGS...]",
         description="Run a program as every worker of a local (127.0.0.1) cluster, each with its TF_CONFIG.",
     )
     parser.add_argument("--num-workers", type=int, required=True, help="number of 'worker' tasks")
@@ -409,6 +411,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--chief", action="store_true", help="add one 'chief' task besides the workers")
     parser.add_argument("--timeout-seconds", type=float, default=None,
                         help="stop every task after this many seconds (exit status 124)")
+    parser.add_argument("--grace-seconds", type=float, default=3.0,
+                        help="how long stopped tasks get between SIGTERM (or a forwarded signal) and SIGKILL "
+                             "(default 3; a preemption checkpoint needs a step plus a save)")
     return parser
 
 
@@ -420,8 +425,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not program or program == ["-m"]:
         parser.error("give the program to run: SCRIPT [ARGS...] or -m MODULE [ARGS...]")
     try:
+        if args.grace_seconds < 0:
+            raise ValueError(f"--grace-seconds is {args.grace_seconds!r}; it must be >= 0.")
         result = launch([sys.executable, "-u", *program], args.num_workers, args.devices_per_worker,
-                        args.chief, timeout_seconds=args.timeout_seconds)
+                        args.chief, timeout_seconds=args.timeout_seconds, grace_seconds=args.grace_seconds)
     except ValueError as e:
         parser.error(str(e))
     return result.returncode

@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import json
+import logging
 import pickle
 from typing import Any, Iterator
 
@@ -29,9 +30,11 @@ import numpy as np
 
 from distribute._coordination import WorkerLostError  # noqa: F401  (raised by the strategy; public here)
 from distribute._coordination import _agree_on_seed, _Cluster, _Exchange, _join, _read_cluster
+from distribute.cluster import _env
 from distribute.strategy import Strategy, StrategyExtended
 
 DEFAULT_TIMEOUT_SECONDS = 300.0
+logger = logging.getLogger("distribute")
 
 
 class CommunicationImplementation(enum.Enum):
@@ -90,6 +93,26 @@ class MultiWorkerExtended(StrategyExtended):
         super().__init__(strategy, devices)
         self._cluster: _Cluster = strategy._cluster_info
         self._exchange: _Exchange | None = strategy._exchange_obj
+        self._tf_config = _env.Watch(_env.TF_CONFIG)  # as the strategy read it; checked at every step
+
+    def _step_dispatched(self, outputs: Any) -> None:
+        """After every step (run, fit, reduce, gather): a warning if TF_CONFIG changed since the strategy was created."""
+        if self._tf_config.changed():
+            self._warn_tf_config_changed()
+        super()._step_dispatched(outputs)
+
+    def _warn_tf_config_changed(self) -> None:
+        now = self._tf_config.value
+        before = self._tf_config.first
+        cluster = self._cluster
+        logger.warning(
+            "TF_CONFIG changed after MultiWorkerMirroredStrategy was created (it was %s, it is now %s); "
+            "the strategy keeps the cluster it joined at creation (%d worker(s), this is %s). A strategy "
+            "reads TF_CONFIG once: to train on another cluster, set TF_CONFIG before creating the strategy, "
+            "in a new process.",
+            "unset" if before is None else repr(before), "unset" if now is None else repr(now),
+            cluster.num_workers, cluster.names[cluster.worker_id],
+        )
 
     @property
     def should_checkpoint(self) -> bool:

@@ -23,6 +23,7 @@ import atexit
 import logging
 import os
 import threading
+import weakref
 from typing import Any
 
 import numpy as np
@@ -35,6 +36,7 @@ _REMOTE_SCHEMES = ("gs", "s3")
 
 _pending: set[_Writer] = set()  # strong references: a Checkpoint dropped right after save still commits
 _pending_lock = threading.Lock()
+_writers: weakref.WeakSet = weakref.WeakSet()  # every writer, for wait_for_background_writes
 
 
 class UnreadableCheckpointError(ValueError):
@@ -104,6 +106,11 @@ class _Writer:
         )
         self._in_flight: str | None = None
         self._on_commit: Any = None
+        _writers.add(self)
+
+    def wait_for_background_write(self) -> None:
+        """Blocks until orbax's background write and commit end, from any thread (errors are the waiter's to report)."""
+        self._checkpointer.wait_until_finished()
 
     def save(self, path: Any, tree: dict, record: dict, on_commit: Any = None) -> None:
         """Starts writing ``tree`` to ``path`` (replacing a checkpoint already there); returns at once."""
@@ -138,6 +145,19 @@ def wait_for_pending_saves() -> None:
         writers = list(_pending)
     for writer in writers:
         writer.wait()
+
+
+def wait_for_background_writes() -> None:
+    """Waits for orbax's background writes and commits of every Checkpoint, also those another thread is waiting for.
+
+    For a process about to end on a signal (the main thread may be inside a
+    ``wait``); errors are left to the thread that waits for the save.
+    """
+    for writer in list(_writers):
+        try:
+            writer.wait_for_background_write()
+        except Exception as err:  # noqa: BLE001 - the save's own waiter reports it
+            logger.error("a checkpoint save did not finish: %s", err)
 
 
 def _wait_at_exit() -> None:

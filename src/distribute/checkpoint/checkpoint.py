@@ -114,6 +114,21 @@ class Checkpoint:
         self.save_counter = 0
         self._writer: _storage._Writer | None = None
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        """``checkpoint.name = obj`` adds ``obj`` to the checkpoint under ``name``, as tf.train.Checkpoint tracks attributes.
+
+        Names starting with ``_`` and ``save_counter`` are ordinary attributes.
+
+        Raises:
+            ValueError: ``value`` holds no Keras variables.
+        """
+        if name.startswith("_") or name == "save_counter":
+            object.__setattr__(self, name, value)
+            return
+        if not (_state.is_optimizer(value) or _state.is_unbuilt(value)):
+            _state.variables_of(name, value)
+        self._objects[name] = value
+
     def __getattr__(self, name: str) -> Any:
         objects = self.__dict__.get("_objects", {})
         if name in objects:

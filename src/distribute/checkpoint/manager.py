@@ -85,6 +85,11 @@ class CheckpointManager:
         return self._directory
 
     @property
+    def checkpoint_name(self) -> str:
+        """The name prefix of this manager's checkpoints (``"ckpt"`` for ``ckpt-3``)."""
+        return self._name
+
+    @property
     def checkpoint(self) -> Checkpoint:
         """The Checkpoint this manager saves."""
         return self._checkpoint

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping, MutableMapping
 
-__all__ = ["TF_CONFIG", "read", "tf_config_text", "write"]
+__all__ = ["TF_CONFIG", "Watch", "read", "tf_config_text", "write"]
 
 TF_CONFIG = "TF_CONFIG"
 
@@ -40,3 +40,30 @@ def write(name: str, value: str, environ: MutableMapping[str, str] | None = None
     """
     target: MutableMapping[str, str] = os.environ if environ is None else environ
     target[name] = value
+
+
+class Watch:
+    """Notices when environment variable `name` changes after it was first read.
+
+    A strategy reads its cluster (TF_CONFIG) once, at creation; a later change
+    does not move it to another cluster.  `changed()` runs at every step, so it
+    is one mapping look-up and a string comparison (about a microsecond).
+
+    Args:
+        name: The variable, e.g. 'TF_CONFIG'.
+        environ: A mapping to read instead of `os.environ` (tests use a dict).
+    """
+
+    def __init__(self, name: str, environ: Mapping[str, str] | None = None):
+        self.name = name
+        self._environ = _environ(environ)
+        self.first = self._environ.get(name)
+        self.value = self.first
+
+    def changed(self) -> bool:
+        """Whether the variable differs from the value last seen (then `value` is the new one, None when unset)."""
+        now = self._environ.get(self.name)
+        if now == self.value:
+            return False
+        self.value = now
+        return True
