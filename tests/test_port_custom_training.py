@@ -9,7 +9,7 @@ distribute.compute_average_loss, tf.add_n -> sum, tf.train.Checkpoint -> distrib
 an uneven last batch (300 = 4 x 64 + 44, split 22 | 22 on 2 replicas; a split of unequal rows per replica
 compiles ~10x slower, so it is left to the smaller tests in test_port_tf_tests.py). The shuffle gets a seed so two runs can be compared.
 
-What is asserted: the tutorial on 2 and 3 replicas ends at the one-device weights, losses and
+What is asserted: the tutorial on 2 replicas and on OneDeviceStrategy ends at the one-device weights, losses and
 metrics (within float32 rounding); the checkpoint restored into an unreplicated model gives the
 same accuracy as the replicated model had at save time; the "other ways of iterating" loops give
 the one-device values too.
