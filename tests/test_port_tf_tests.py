@@ -406,3 +406,90 @@ def test_input_from_fn_last_partial_batch():
 def test_cluster_resolver_property():
     assert strat(2).cluster_resolver is None
     assert strat(0).cluster_resolver is None
+
+
+# -- mirrored_strategy_test.py (values recorded with TF 2.21, MirroredStrategy(["/cpu:0", "/cpu:1"])) ----
+
+
+def _replica_id():
+    return distribute.get_replica_context().replica_id_in_sync_group
+
+
+def test_reduce_to_cpu_replica_id():
+    s = strat(2)
+    with s.scope():
+        assert int(s.reduce(distribute.ReduceOp.SUM, s.run(_replica_id), axis=None)) == sum(range(2))
+
+
+def test_reduce_to_cpu_nested():
+    s = strat(2)
+    with s.scope():
+        run_result = s.run(lambda t: (t + 1.0, t - 1.0), args=(jnp.array(3.0),))
+        reduced = s.reduce("SUM", run_result, axis=None)
+    assert tuple(float(x) for x in reduced) == (4 * 2, 2 * 2)
+
+
+@pytest.mark.xfail(strict=True, raises=TypeError, reason="run() cannot return per-replica values whose shape depends on the replica id ([0] and [1, 1]): a raw JAX 'Shapes must be 1D sequences of concrete values' TypeError from shard_map tracing, not a clear error; TF reduces them (SUM 2, MEAN 2/3)")
+@pytest.mark.parametrize("dtype", ["float32", "int32"])
+def test_reduce_axis_lists_of_different_lengths(dtype):
+    s = strat(2)
+
+    def replica_squared_fn():
+        # Lists with different lengths on different replicas (TF: [0] on replica 0, [1, 1] on replica 1).
+        replica_id = _replica_id()
+        return keras.ops.cast(jnp.full([replica_id + 1], replica_id), dtype)
+
+    with s.scope():
+        result = s.run(replica_squared_fn)
+        assert [np.asarray(x).tolist() for x in s.experimental_local_results(result)] == [[0], [1, 1]]
+        assert float(s.reduce(distribute.ReduceOp.SUM, result, axis=0)) == pytest.approx(2.0, abs=1e-5)
+        assert float(s.reduce(distribute.ReduceOp.MEAN, result, axis=0)) == pytest.approx(2.0 / 3.0, abs=1e-5)
+
+
+def test_run_regroup_error_is_clear():
+    s = strat(2)
+    with s.scope(), pytest.raises((AssertionError, ValueError, TypeError)):  # TF: AssertionError in regroup
+        s.run(lambda: list(range(int(_replica_id()))))
+
+
+_SUM_ASSIGN_BUG = "replica-context assign on a SUM-aggregated variable gives old + sum(v_r - old) (10.0 on 2 replicas, 16.0 on 3); TF 2.21 gives sum(v_r) (11.0, 18.0)"
+
+
+@pytest.mark.parametrize("aggregation,after_add,after_sub", [
+    ("sum", 3.0, -2.0),  # TF 2.21: assign_add(tensor 1.0) -> 1 + 2; assign_sub(replica_id + 1) -> 1 - 3
+    ("mean", 2.0, -0.5),
+    ("only_first_replica", 2.0, 0.0),
+])
+def test_mirrored_variable_assign_add_sub_in_replica_context(aggregation, after_add, after_sub):
+    s = strat(2)
+    with s.scope():
+        v = keras.Variable(1.0, aggregation=aggregation)
+        u = keras.Variable(1.0, aggregation=aggregation)
+    s.run(lambda: v.assign_add(jnp.array(1.0)))
+    s.run(lambda: u.assign_sub(keras.ops.cast(_replica_id(), "float32") + 1.0))
+    assert float(np.asarray(v.numpy())) == after_add
+    assert float(np.asarray(u.numpy())) == after_sub
+
+
+@pytest.mark.parametrize("n,aggregation,after_assign", [
+    pytest.param(2, "sum", 11.0, marks=pytest.mark.xfail(strict=True, reason=_SUM_ASSIGN_BUG)),  # TF 2.21: 5 + 6
+    pytest.param(3, "sum", 18.0, marks=pytest.mark.xfail(strict=True, reason=_SUM_ASSIGN_BUG)),  # TF 2.21: 5 + 6 + 7
+    (2, "mean", 5.5),
+    (3, "mean", 6.0),
+    (2, "only_first_replica", 5.0),
+])
+def test_mirrored_variable_assign_in_replica_context(n, aggregation, after_assign):
+    s = strat(n)
+    with s.scope():
+        w = keras.Variable(1.0, aggregation=aggregation)
+    s.run(lambda: w.assign(keras.ops.cast(_replica_id(), "float32") + 5.0))
+    assert float(np.asarray(w.numpy())) == after_assign
+
+
+def test_mirrored_variable_cross_replica_update_then_read_in_run():
+    s = strat(2)
+    with s.scope():
+        v = keras.Variable(1.0)
+    v.assign_add(2.0)
+    assert float(np.asarray(v.numpy())) == 3.0
+    assert [float(x) for x in s.experimental_local_results(s.run(lambda: v * 2.0))] == [6.0, 6.0]
