@@ -75,10 +75,13 @@ def data():
     return (train_images, train_labels), (test_images, test_labels)
 
 
-def run_tutorial(strategy, checkpoint_dir):
+def run_tutorial(strategy, checkpoint_dir, shuffle=True, extras=True):
     (train_images, train_labels), (test_images, test_labels) = data()
     BUFFER_SIZE = len(train_images)
-    train_dataset = distribute.data.Dataset.from_tensor_slices((train_images, train_labels)).shuffle(BUFFER_SIZE, seed=3).batch(GLOBAL_BATCH_SIZE)
+    train_dataset = distribute.data.Dataset.from_tensor_slices((train_images, train_labels))
+    if shuffle:
+        train_dataset = train_dataset.shuffle(BUFFER_SIZE, seed=3)
+    train_dataset = train_dataset.batch(GLOBAL_BATCH_SIZE)
     test_dataset = distribute.data.Dataset.from_tensor_slices((test_images, test_labels)).batch(GLOBAL_BATCH_SIZE)
     train_dist_dataset = strategy.experimental_distribute_dataset(train_dataset)
     test_dist_dataset = strategy.experimental_distribute_dataset(test_dataset)
@@ -134,11 +137,14 @@ def run_tutorial(strategy, checkpoint_dir):
         return strategy.run(test_step, args=(dataset_inputs,))
 
     history = []
+    step_losses = []
     for epoch in range(EPOCHS):
         total_loss = 0.0
         num_batches = 0
         for x in train_dist_dataset:
-            total_loss += distributed_train_step(x)
+            step_loss = distributed_train_step(x)
+            step_losses.append(float(step_loss))
+            total_loss += step_loss
             num_batches += 1
         train_loss = total_loss / num_batches
 
@@ -154,6 +160,9 @@ def run_tutorial(strategy, checkpoint_dir):
         test_loss.reset_state()  # was reset_states()
         train_accuracy.reset_state()
         test_accuracy.reset_state()
+
+    if not extras:
+        return {"history": history, "step_losses": step_losses, "weights": [np.asarray(w) for w in model.get_weights()]}
 
     # -- restore the latest checkpoint without a strategy
     eval_accuracy = keras.metrics.SparseCategoricalAccuracy(name="eval_accuracy")
@@ -243,3 +252,22 @@ def test_custom_training_equals_one_device(num_replicas, tmp_path_factory):
     assert many["iterations"] == one["iterations"]
     assert many["restored_accuracy"] == pytest.approx(many["saved_test_accuracy"], abs=1e-7)
     assert many["restored_accuracy"] == pytest.approx(one["restored_accuracy"], abs=1e-7)
+
+
+# TF 2.21 running the tutorial's own code (tf.GradientTape, tf.nn.compute_average_loss, @tf.function)
+# on MirroredStrategy(["/cpu:0", "/cpu:1"]) from the same initial weights and data, no shuffle
+# (recorded with /work/tfvenv: the optimizer built in scope first, which TF 2.21 + Keras 3 needs).
+TF_2_21 = {"epochs": [{"step_losses": [2.2984652519226074, 2.2998173236846924, 2.2944161891937256, 2.32745361328125, 2.339434862136841], "train_acc": 0.10000000149011612, "test_loss": 2.367363214492798, "test_acc": 0.07000000029802322}, {"step_losses": [2.2686126232147217, 2.2906434535980225, 2.2682299613952637, 2.278602361679077, 2.297321319580078], "train_acc": 0.14000000059604645, "test_loss": 2.3437066078186035, "test_acc": 0.07000000029802322}], "dense_bias": [-0.002916821511462331, 0.0033984112087637186, 0.00017762521747499704, -0.0016071191057562828, -0.0005128444172441959, 0.0004371916293166578, -0.0023497038055211306, 0.0012838039547204971, 0.0008364181267097592, -0.0022144264075905085], "weight_sums": [-0.9258508682250977, -0.08506686985492706, -27.268367767333984, -0.10633440315723419, -44.191162109375, -0.0491936169564724, -6.0178542137146, -0.0034674648195505142], "weight_abs_sums": [20.467967987060547, 0.11043496429920197, 761.774169921875, 0.17177128791809082, 2968.27490234375, 0.14412659406661987, 90.83367156982422, 0.015734365209937096]}
+
+
+def test_custom_training_matches_tf_2_21(tmp_path):
+    got = run_tutorial(mirrored(2), str(tmp_path), shuffle=False, extras=False)
+    tf_steps = [v for e in TF_2_21["epochs"] for v in e["step_losses"]]
+    np.testing.assert_allclose(got["step_losses"], tf_steps, rtol=1e-4)
+    for (train_loss, train_acc, test_loss, test_acc, _), e in zip(got["history"], TF_2_21["epochs"]):
+        assert train_loss == pytest.approx(np.mean(e["step_losses"]), rel=1e-4)
+        assert train_acc == pytest.approx(e["train_acc"], abs=1e-6)
+        assert test_loss == pytest.approx(e["test_loss"], rel=1e-4)
+        assert test_acc == pytest.approx(e["test_acc"], abs=1e-6)
+    np.testing.assert_allclose(got["weights"][-1], TF_2_21["dense_bias"], atol=2e-6)
+    np.testing.assert_allclose([float(np.sum(np.abs(w))) for w in got["weights"]], TF_2_21["weight_abs_sums"], rtol=1e-3)
