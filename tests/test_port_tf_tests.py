@@ -493,3 +493,64 @@ def test_mirrored_variable_cross_replica_update_then_read_in_run():
     v.assign_add(2.0)
     assert float(np.asarray(v.numpy())) == 3.0
     assert [float(x) for x in s.experimental_local_results(s.run(lambda: v * 2.0))] == [6.0, 6.0]
+
+
+# -- strategy_test_lib's all-reduce gradient cases (values recorded with TF 2.21, 2 CPUs) ---------
+
+_ALL_REDUCE_GRAD_BUG = ("the gradient through ReplicaContext.all_reduce is not all-reduced: each replica gets only its own "
+                        "term (JAX psum transposes to pvary); TF 2.21's all_reduce gradient is the all_reduce of the upstream gradients")
+
+
+@pytest.mark.xfail(strict=True, reason=_ALL_REDUCE_GRAD_BUG)
+@pytest.mark.parametrize("op,expected_grads", [("SUM", [2.0, 4.0]), ("MEAN", [1.0, 2.0])])
+def test_all_reduce_gradient_wrt_mirrored_variable(op, expected_grads):
+    s = strat(2)
+    with s.scope():
+        v = keras.Variable(1.0)
+
+    def fn():
+        rc = distribute.get_replica_context()
+
+        def loss_fn():  # was: with tf.GradientTape() as t: out = rc.all_reduce(op, v * (replica_id + 1))
+            return rc.all_reduce(op, v * keras.ops.cast(rc.replica_id_in_sync_group + 1, "float32"))
+
+        out, grads = distribute.compute_gradients(loss_fn, [v])
+        return out, grads[0]
+
+    out = s.experimental_local_results(s.run(fn))
+    assert [float(o) for o, _ in out] == ([3.0, 3.0] if op == "SUM" else [1.5, 1.5])  # TF 2.21
+    assert [float(g) for _, g in out] == expected_grads  # TF 2.21: SUM (2.0, 4.0), MEAN (1.0, 2.0)
+
+
+def test_gradient_through_all_reduced_mean_of_batch():
+    # A SyncBatchNorm-like loss: every replica's loss uses the global mean (TF 2.21: [-3, -1] | [1, 3]).
+    import jax
+
+    s = strat(2)
+    x = np.array([[1.], [2.], [3.], [4.]], np.float32)
+    batch = next(iter(s.experimental_distribute_dataset(Dataset.from_tensor_slices(x).batch(4))))
+
+    def fn(xb):
+        rc = distribute.get_replica_context()
+
+        def f(z):
+            mu = rc.all_reduce("SUM", jnp.sum(z)) / 4.0
+            return jnp.sum((z - mu) ** 2)
+
+        return jax.grad(f)(xb)
+
+    assert [np.asarray(t).ravel().tolist() for t in s.experimental_local_results(s.run(fn, args=(batch,)))] == [[-3.0, -1.0], [1.0, 3.0]]
+
+
+# -- tf.train.Checkpoint's counter, as TF code reads it -------------------------------------------
+
+
+@pytest.mark.xfail(strict=True, raises=AttributeError, reason="Checkpoint.save_counter is a Python int; TF's is a variable, so TF code's checkpoint.save_counter.numpy() raises AttributeError")
+def test_checkpoint_save_counter_numpy(tmp_path):
+    s = strat(2)
+    with s.scope():
+        model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+        checkpoint = distribute.Checkpoint(model=model, optimizer=keras.optimizers.Adam())
+    path = checkpoint.save(str(tmp_path / "ckpt"))
+    assert path.endswith("ckpt-1")  # TF: dir/ckpt-1
+    assert int(checkpoint.save_counter.numpy()) == 1
