@@ -554,3 +554,23 @@ def test_checkpoint_save_counter_numpy(tmp_path):
     path = checkpoint.save(str(tmp_path / "ckpt"))
     assert path.endswith("ckpt-1")  # TF: dir/ckpt-1
     assert int(checkpoint.save_counter.numpy()) == 1
+
+
+# -- names TF code uses that have no substitute ----------------------------------------------------
+
+
+@pytest.mark.xfail(strict=True, raises=AttributeError, reason="distribute has no RunOptions (tf.distribute.RunOptions), used by custom_training_loop_input_test.testDynamicShapesWithRunOptions")
+def test_dynamic_shapes_with_run_options():
+    s = strat(2)
+    iterator = iter(s.experimental_distribute_dataset(Dataset.from_tensor_slices([5., 6., 7.]).batch(4)))
+    options = distribute.RunOptions(experimental_bucketizing_dynamic_shape=True)
+    outputs = s.experimental_local_results(s.run(lambda x: jnp.mean(x), args=(next(iterator),), options=options))
+    np.testing.assert_array_equal(np.asarray(outputs), [5.5, 7.])
+
+
+@pytest.mark.xfail(strict=True, raises=AttributeError, reason="distribute has no HierarchicalCopyAllReduce / NcclAllReduce / ReductionToOneDevice, so TF's MirroredStrategy(cross_device_ops=tf.distribute.X()) cannot be ported by substitution although README says cross_device_ops is accepted")
+@pytest.mark.parametrize("name", ["HierarchicalCopyAllReduce", "NcclAllReduce", "ReductionToOneDevice"])
+def test_cross_device_ops_names(name):
+    s = distribute.MirroredStrategy(["/cpu:0", "/cpu:1"], cross_device_ops=getattr(distribute, name)())
+    x = s.run(lambda: jnp.array([1., 2.]))
+    assert float(s.reduce("SUM", x, axis=0)) == 6.0
