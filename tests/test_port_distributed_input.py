@@ -9,9 +9,7 @@ tensors (MirroredStrategy over 2 CPUs).
 
 from __future__ import annotations
 
-import keras
 import numpy as np
-import pytest
 from helpers import mirrored
 
 import distribute
@@ -39,7 +37,7 @@ def test_experimental_distribute_dataset_first_element():
     mirrored_strategy = mirrored(2)
     dataset = Dataset.from_tensors(([1.], [1.])).repeat(100).batch(16)
     dist_dataset = mirrored_strategy.experimental_distribute_dataset(dataset)
-    features, labels = next(iter(dist_dataset))
+    features, _labels = next(iter(dist_dataset))
     assert local(mirrored_strategy, features) == [[[1.]] * 8, [[1.]] * 8]
 
 
@@ -126,9 +124,10 @@ def test_element_spec_step():
     assert len(spec) == 2
 
     def train_step(per_replica_inputs):
-        def step_fn(inputs):
-            return 2 * inputs  # a tuple times 2 in TF would be a tensor op; here: each component
-        return mirrored_strategy.run(lambda inputs: tuple(2 * t for t in inputs), args=(per_replica_inputs,))
+        def step_fn(inputs):  # TF: 2 * inputs converts the (features, labels) tuple to one tensor
+            return tuple(2 * t for t in inputs)
+
+        return mirrored_strategy.run(step_fn, args=(per_replica_inputs,))
 
     for _ in range(2):
         iterator = iter(dist_dataset)

@@ -98,7 +98,7 @@ def run(strategy, workdir):
     final = [np.asarray(w) for w in model.get_weights()]
 
     files = sorted(p.name for p in pathlib.Path(checkpoint_dir).glob("*"))
-    latest_checkpoint = sorted(pathlib.Path(checkpoint_dir).glob("*"))[-1]
+    latest_checkpoint = max(pathlib.Path(checkpoint_dir).glob("*"))
     model.load_weights(latest_checkpoint)
     eval_loss, eval_acc = model.evaluate(eval_dataset, verbose=0)
 
@@ -114,10 +114,10 @@ def run(strategy, workdir):
         replicated_model.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                                  optimizer=keras.optimizers.Adam(), metrics=["accuracy"])
         re_loss, re_acc = replicated_model.evaluate(eval_dataset, verbose=0)
-    return dict(history=history.history, final=final, files=files, lrs=learning_rates,
-                loaded=[np.asarray(w) for w in model.get_weights()], eval=(eval_loss, eval_acc),
-                unreplicated=(un_loss, un_acc), replicated=(re_loss, re_acc),
-                unreplicated_weights=[np.asarray(w) for w in unreplicated_model.get_weights()])
+    return {"history": history.history, "final": final, "files": files, "lrs": learning_rates,
+                "loaded": [np.asarray(w) for w in model.get_weights()], "eval": (eval_loss, eval_acc),
+                "unreplicated": (un_loss, un_acc), "replicated": (re_loss, re_acc),
+                "unreplicated_weights": [np.asarray(w) for w in unreplicated_model.get_weights()]}
 
 
 _RES = {}
