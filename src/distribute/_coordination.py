@@ -162,6 +162,11 @@ def _start_preemption_service_keeping_sigterm(state: Any) -> None:
         signal.signal(signal.SIGTERM, _end_on_sigterm if previous == signal.SIG_DFL else previous)
 
 
+# Waits run before a SIGTERM ends the process (checkpoint/_storage.py registers the wait
+# for an asynchronous save in flight).
+BEFORE_SIGTERM_EXIT: list = []
+
+
 def _end_on_sigterm(signum: int, frame: Any) -> None:
     """SIGTERM without a handler of the program's: the process ends by SIGTERM, as TF's, once the
     checkpoint being written (an asynchronous save in flight) is committed.
@@ -173,9 +178,8 @@ def _end_on_sigterm(signum: int, frame: Any) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
     def end() -> None:
-        from distribute.checkpoint import _storage
-
-        _storage.wait_for_background_writes()
+        for wait in BEFORE_SIGTERM_EXIT:
+            wait()
         os.kill(os.getpid(), signum)
 
     threading.Thread(target=end, name="distribute-sigterm", daemon=True).start()

@@ -21,6 +21,7 @@ from typing import Any, Callable, Sequence
 
 import jax
 
+from distribute import _context
 from distribute.values import DistributedValues, Mirrored, ReduceOp
 
 
@@ -153,6 +154,4 @@ class ReductionToOneDevice(_XlaReduction):
 def _strategy_of(destinations: Any) -> Any:
     if isinstance(destinations, DistributedValues):
         return destinations._strategy
-    from distribute.strategy import get_strategy
-
-    return get_strategy()
+    return _context.current_strategy()

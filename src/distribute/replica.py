@@ -106,6 +106,14 @@ class ReplicaContext:
         )
 
     # -- used by the execution engine and the Keras hooks (the threaded context overrides them) --
+    _runs_eagerly = False  # True in an uneven step's replica threads
+
+    def _tracing_replica_id(self, replica_id: Any) -> Any:
+        """While tracing a per-replica program: ``replica_id_in_sync_group`` is this traced value."""
+        import contextlib
+
+        return contextlib.nullcontext()
+
     def _sum_gradients(self, grads: list) -> list:
         """Sums per-replica gradients across replicas (TF's apply_gradients all-reduce)."""
         if not self._in_program:

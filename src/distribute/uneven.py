@@ -24,11 +24,12 @@ where nothing can observe it.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import functools
 import threading
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -150,10 +151,24 @@ class ThreadedReplicaContext(ReplicaContext):
         self._calls = 0
         self._device = strategy.extended._local_devices[local_index]
         self._first = replica - local_index
+        self._traced_replica_id = None
+
+    _runs_eagerly = True
 
     @property
     def replica_id_in_sync_group(self) -> Any:
+        if self._traced_replica_id is not None:
+            return self._traced_replica_id
         return jnp.asarray(self._replica, jnp.int32)
+
+    @contextlib.contextmanager
+    def _tracing_replica_id(self, replica_id: Any) -> Iterator[None]:
+        """While a per-replica program is traced, the replica id is its argument (replicas share it)."""
+        previous, self._traced_replica_id = self._traced_replica_id, replica_id
+        try:
+            yield
+        finally:
+            self._traced_replica_id = previous
 
     # -- the meeting ------------------------------------------------------------------
     def _meet(self, value: Any, combine: Callable[[list], list], what: str) -> Any:

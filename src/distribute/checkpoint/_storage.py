@@ -230,3 +230,13 @@ def _by_object(record: dict) -> dict[str, list[dict]]:
     for entry in record["variables"]:
         out.setdefault(entry["object"], []).append(entry)
     return out
+
+
+def _register_sigterm_wait() -> None:
+    from distribute import _coordination
+
+    if wait_for_background_writes not in _coordination.BEFORE_SIGTERM_EXIT:
+        _coordination.BEFORE_SIGTERM_EXIT.append(wait_for_background_writes)
+
+
+_register_sigterm_wait()

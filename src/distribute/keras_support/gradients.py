@@ -51,11 +51,15 @@ def compute_gradients(loss_fn: Callable[[], Any], variables: Sequence[Any], has_
             out = loss_fn()
         written.update(scope.written)
         loss, aux = out if has_aux else (out, None)
+        if context is not None:
+            # Each replica's loss counts (TF: the gradient of an all-reduced loss is the
+            # all-reduce of every replica's gradient), also when it is the same on all.
+            loss = context._prepare_for_gradients([loss])[0]
         updates = [scope.state_mapping[i] for i in scope.written]
         return loss, (aux, updates)
 
-    values = [v.value for v in variables]
     context = _context.current_replica_context()
+    values = [v.value for v in variables]
     if context is not None:
         # Per-replica gradients, as TF's tape gives; apply_gradients sums them.
         values = context._prepare_for_gradients(values)

@@ -130,8 +130,18 @@ def _rows(x: Any) -> int:
     return int(first.shape[0]) if getattr(first, "ndim", 0) else 1
 
 
-def _update_metrics(model, context, start_vars, metrics_vars, global_loss, output_losses, x, y, y_pred, sample_weight):
-    """Updates the loss trackers (once, by replica 0) and compiled metrics; sums them over replicas.
+def _compiled_metrics(model, metrics_vars, x, y, y_pred, sample_weight) -> list:
+    """The compiled metrics' variables after this replica's rows (no collectives)."""
+    if _rows(x) == 0:  # Keras' metrics do not take empty batches; nothing to count anyway
+        return list(metrics_vars)
+    mapping = list(zip(model.metrics_variables, metrics_vars))
+    with keras_backend.StatelessScope(state_mapping=mapping) as scope:
+        model.compute_metrics(x, y, y_pred, sample_weight)
+    return [old if scope.get_current_value(ref) is None else scope.get_current_value(ref) for ref, old in zip(model.metrics_variables, metrics_vars)]
+
+
+def _update_metrics(model, context, start_vars, metrics_vars, global_loss, output_losses):
+    """Updates the loss trackers (once, by replica 0) and sums the metric variables over replicas.
 
     ``start_vars`` are the metric variables at the start of the step: each
     replica's change since then is added up (sync-on-read SUM).
@@ -145,8 +155,6 @@ def _update_metrics(model, context, start_vars, metrics_vars, global_loss, outpu
         for tracker, value in zip(trackers, output_losses):
             if value is not None:
                 tracker.update_state(context.all_reduce("SUM", value), sample_weight=weight)
-        if _rows(x) != 0:  # Keras' metrics do not take empty batches; nothing to count anyway
-            model.compute_metrics(x, y, y_pred, sample_weight)
     new = []
     for ref, old in zip(model.metrics_variables, metrics_vars):
         value = scope.get_current_value(ref)
@@ -157,13 +165,45 @@ def _update_metrics(model, context, start_vars, metrics_vars, global_loss, outpu
     return logs, new
 
 
+class _Local:
+    """A step's per-replica computation (forward, backward, this replica's metrics), compiled.
+
+    In the SPMD program it is traced inline.  In an uneven step every replica
+    thread calls it, compiled once per replica shape (``jax.jit``; the replica id
+    is an argument, so replicas of one shape share the program), instead of
+    running Keras op by op; a model whose forward pass itself makes collectives
+    (synchronized BatchNorm) runs eagerly instead, as collectives there need
+    concrete values.
+    """
+
+    def __init__(self, fn: Any):
+        self._fn = fn
+        self._compiled = jax.jit(self._with_replica_id, static_argnames=("global_rows",))
+        self._eager = False
+
+    def _with_replica_id(self, replica_id, *args, global_rows):
+        context = _context.current_replica_context()
+        with context._tracing_replica_id(replica_id):
+            return self._fn(*args)
+
+    def __call__(self, context: Any, *args) -> Any:
+        if not context._runs_eagerly or self._eager:
+            return self._fn(*args)
+        try:
+            return self._compiled(jnp.asarray(context._replica, jnp.int32), *args, global_rows=context._global_rows)
+        except TypeError as err:
+            if "under a JAX transformation" not in str(err):
+                raise
+            self._eager = True
+            return self._fn(*args)
+
+
 def train_step(model: Any, strategy: Any, variables: list, treedef: Any):
     """One replica's training step; ``variables`` = [trainable, non_trainable, optimizer, metrics]."""
     num_replicas = strategy.num_replicas_in_sync
 
-    def step(state, leaves):
+    def local(trainable, non_trainable, opt_vars, metrics_vars, leaves):
         context = _context.current_replica_context()
-        trainable, non_trainable, opt_vars, metrics_vars = state
         x, y, sample_weight = _unpack(treedef, leaves)
         loss_weight = _loss_weight(context, sample_weight, leaves[0].shape[0])
 
@@ -177,7 +217,16 @@ def train_step(model: Any, strategy: Any, variables: list, treedef: Any):
             return scaled, (loss, y_pred, non_trainable_, metrics_, output_losses)
 
         (_, (loss, y_pred, new_non_trainable, new_metrics, output_losses)), grads = jax.value_and_grad(loss_fn, has_aux=True)(trainable)
-        logs, new_metrics = _update_metrics(model, context, metrics_vars, new_metrics, context.all_reduce("SUM", loss), output_losses, x, y, y_pred, sample_weight)
+        new_metrics = _compiled_metrics(model, new_metrics, x, y, y_pred, sample_weight)
+        return loss, new_non_trainable, new_metrics, output_losses, grads
+
+    local = _Local(local)
+
+    def step(state, leaves):
+        context = _context.current_replica_context()
+        trainable, non_trainable, opt_vars, metrics_vars = state
+        loss, new_non_trainable, new_metrics, output_losses, grads = local(context, trainable, non_trainable, opt_vars, metrics_vars, leaves)
+        logs, new_metrics = _update_metrics(model, context, metrics_vars, new_metrics, context.all_reduce("SUM", loss), output_losses)
         grads = context._sum_gradients(grads)
         with _context.leave_replica():  # the hooked optimizer would sum again
             new_trainable, new_opt = model.optimizer.stateless_apply(opt_vars, grads, trainable)
@@ -196,13 +245,20 @@ def test_step(model: Any, strategy: Any, variables: list, treedef: Any):
     """One replica's evaluation step; ``variables`` = [trainable, non_trainable, metrics]."""
     num_replicas = strategy.num_replicas_in_sync
 
-    def step(state, leaves):
+    def local(trainable, non_trainable, metrics_vars, leaves):
         context = _context.current_replica_context()
-        trainable, non_trainable, metrics_vars = state
         x, y, sample_weight = _unpack(treedef, leaves)
         loss_weight = _loss_weight(context, sample_weight, leaves[0].shape[0])
         loss, y_pred, new_non_trainable, new_metrics, output_losses = _loss(model, trainable, non_trainable, metrics_vars, x, y, loss_weight, False, num_replicas)
-        logs, new_metrics = _update_metrics(model, context, metrics_vars, new_metrics, context.all_reduce("SUM", loss), output_losses, x, y, y_pred, sample_weight)
+        return loss, new_non_trainable, _compiled_metrics(model, new_metrics, x, y, y_pred, sample_weight), output_losses
+
+    local = _Local(local)
+
+    def step(state, leaves):
+        context = _context.current_replica_context()
+        trainable, non_trainable, metrics_vars = state
+        loss, new_non_trainable, new_metrics, output_losses = local(context, trainable, non_trainable, metrics_vars, leaves)
+        logs, new_metrics = _update_metrics(model, context, metrics_vars, new_metrics, context.all_reduce("SUM", loss), output_losses)
         return logs, (list(trainable), context._combine_all(variables[1], new_non_trainable, non_trainable), new_metrics)
 
     return step
@@ -211,12 +267,17 @@ def test_step(model: Any, strategy: Any, variables: list, treedef: Any):
 def predict_step(model: Any, strategy: Any, variables: list, treedef: Any):
     """One replica's prediction step; outputs ``(rows, ...)`` per replica."""
 
+    def local(trainable, non_trainable, leaves):
+        x, _, _ = _unpack(treedef, leaves)
+        kwargs = {"training": False} if model._call_has_training_arg else {}
+        return model.stateless_call(trainable, non_trainable, x, **kwargs)
+
+    local = _Local(local)
+
     def step(state, leaves):
         context = _context.current_replica_context()
         trainable, non_trainable = state
-        x, _, _ = _unpack(treedef, leaves)
-        kwargs = {"training": False} if model._call_has_training_arg else {}
-        outputs, new_non_trainable = model.stateless_call(trainable, non_trainable, x, **kwargs)
+        outputs, new_non_trainable = local(context, trainable, non_trainable, leaves)
         return outputs, (list(trainable), context._combine_all(variables[1], new_non_trainable, non_trainable))
 
     return step
