@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import jax.numpy as jnp
 import numpy as np
-import pytest
 from helpers import mirrored
 
 import distribute
@@ -33,13 +31,13 @@ def test_readme_tf_data_input_function_example():
     assert labels == list(range(32))
 
 
-@pytest.mark.xfail(strict=True, raises=AttributeError, reason="README 'Partial batches' documents ReplicaContext.example_mask (and padding masks), which the code no longer has: the section is stale")
-def test_readme_example_mask():
+def test_readme_partial_batches_claims():
+    """README "Partial batches": [5, 6, 7] batched by 4 over 2 replicas -> [5, 6] | [7]: mean 5.5 and 7.0, size 2 and 1."""
+    import keras
+
     strategy = mirrored(2)
-    batch = next(iter(strategy.experimental_distribute_dataset(tfdata.Dataset.range(3).batch(3))))
-
-    def f(x):
-        mask = distribute.get_replica_context().example_mask
-        return jnp.zeros(()) if mask is None else jnp.sum(mask)
-
-    assert [float(v) for v in strategy.experimental_local_results(strategy.run(f, args=(batch,)))] == [2.0, 1.0]
+    batch = next(iter(strategy.experimental_distribute_dataset(tfdata.Dataset.from_tensor_slices(np.array([5.0, 6.0, 7.0], np.float32)).batch(4))))
+    assert [float(v) for v in strategy.experimental_local_results(strategy.run(keras.ops.mean, args=(batch,)))] == [5.5, 7.0]
+    assert [int(v) for v in strategy.experimental_local_results(strategy.run(keras.ops.size, args=(batch,)))] == [2, 1]
+    gathered = strategy.run(lambda x: distribute.get_replica_context().all_gather(x, 0), args=(batch,))
+    assert [np.asarray(v).tolist() for v in strategy.experimental_local_results(gathered)] == [[5.0, 6.0, 7.0]] * 2

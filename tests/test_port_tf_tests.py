@@ -268,7 +268,6 @@ def test_local_result_python_scalar():
     assert s.experimental_local_results(s.run(lambda: 5.)) == (5.0,)  # TF 2.21: (5.0,)
 
 
-@pytest.mark.xfail(strict=True, reason="experimental_local_results(variable) gives a 1-tuple of the aggregated variable; TF 2.21 gives one component per replica (on_read MEAN: (0.0, 4.0), not (2.0,))")
 def test_local_results_of_variables():
     s = strat(2)
     with s.scope():
@@ -324,7 +323,6 @@ def test_sync_on_read_variable_input():
     assert float(np.asarray(var.numpy())) == 0.0  # TF 2.21: read_value() of ONLY_FIRST_REPLICA is replica 0's 0.0
 
 
-@pytest.mark.xfail(strict=True, reason="experimental_local_results of an on_read SUM variable gives (3.0,) (the aggregate); TF 2.21 gives the per-replica (1.0, 2.0)")
 def test_sync_on_read_sum_variable():
     s = strat(2)
     with s.scope():
@@ -429,7 +427,6 @@ def test_reduce_to_cpu_nested():
     assert tuple(float(x) for x in reduced) == (4 * 2, 2 * 2)
 
 
-@pytest.mark.xfail(strict=True, raises=TypeError, reason="run() cannot return per-replica values whose shape depends on the replica id ([0] and [1, 1]): a raw JAX 'Shapes must be 1D sequences of concrete values' TypeError from shard_map tracing, not a clear error; TF reduces them (SUM 2, MEAN 2/3)")
 @pytest.mark.parametrize("dtype", ["float32", "int32"])
 def test_reduce_axis_lists_of_different_lengths(dtype):
     s = strat(2)
@@ -452,9 +449,6 @@ def test_run_regroup_error_is_clear():
         s.run(lambda: list(range(int(_replica_id()))))
 
 
-_SUM_ASSIGN_BUG = "replica-context assign on a SUM-aggregated variable gives old + sum(v_r - old) (10.0 on 2 replicas, 16.0 on 3); TF 2.21 gives sum(v_r) (11.0, 18.0)"
-
-
 @pytest.mark.parametrize("aggregation,after_add,after_sub", [
     ("sum", 3.0, -2.0),  # TF 2.21: assign_add(tensor 1.0) -> 1 + 2; assign_sub(replica_id + 1) -> 1 - 3
     ("mean", 2.0, -0.5),
@@ -472,8 +466,8 @@ def test_mirrored_variable_assign_add_sub_in_replica_context(aggregation, after_
 
 
 @pytest.mark.parametrize("n,aggregation,after_assign", [
-    pytest.param(2, "sum", 11.0, marks=pytest.mark.xfail(strict=True, reason=_SUM_ASSIGN_BUG)),  # TF 2.21: 5 + 6
-    pytest.param(3, "sum", 18.0, marks=pytest.mark.xfail(strict=True, reason=_SUM_ASSIGN_BUG)),  # TF 2.21: 5 + 6 + 7
+    (2, "sum", 11.0),  # TF 2.21: 5 + 6
+    (3, "sum", 18.0),  # TF 2.21: 5 + 6 + 7
     (2, "mean", 5.5),
     (3, "mean", 6.0),
     (2, "only_first_replica", 5.0),
@@ -497,11 +491,6 @@ def test_mirrored_variable_cross_replica_update_then_read_in_run():
 
 # -- strategy_test_lib's all-reduce gradient cases (values recorded with TF 2.21, 2 CPUs) ---------
 
-_ALL_REDUCE_GRAD_BUG = ("the gradient through ReplicaContext.all_reduce is not all-reduced: each replica gets only its own "
-                        "term (JAX psum transposes to pvary); TF 2.21's all_reduce gradient is the all_reduce of the upstream gradients")
-
-
-@pytest.mark.xfail(strict=True, reason=_ALL_REDUCE_GRAD_BUG)
 @pytest.mark.parametrize("op,expected_grads", [("SUM", [2.0, 4.0]), ("MEAN", [1.0, 2.0])])
 def test_all_reduce_gradient_wrt_mirrored_variable(op, expected_grads):
     s = strat(2)
@@ -545,7 +534,6 @@ def test_gradient_through_all_reduced_mean_of_batch():
 # -- tf.train.Checkpoint's counter, as TF code reads it -------------------------------------------
 
 
-@pytest.mark.xfail(strict=True, raises=AttributeError, reason="Checkpoint.save_counter is a Python int; TF's is a variable, so TF code's checkpoint.save_counter.numpy() raises AttributeError")
 def test_checkpoint_save_counter_numpy(tmp_path):
     s = strat(2)
     with s.scope():
@@ -559,7 +547,6 @@ def test_checkpoint_save_counter_numpy(tmp_path):
 # -- names TF code uses that have no substitute ----------------------------------------------------
 
 
-@pytest.mark.xfail(strict=True, raises=AttributeError, reason="distribute has no RunOptions (tf.distribute.RunOptions), used by custom_training_loop_input_test.testDynamicShapesWithRunOptions")
 def test_dynamic_shapes_with_run_options():
     s = strat(2)
     iterator = iter(s.experimental_distribute_dataset(Dataset.from_tensor_slices([5., 6., 7.]).batch(4)))
@@ -568,7 +555,6 @@ def test_dynamic_shapes_with_run_options():
     np.testing.assert_array_equal(np.asarray(outputs), [5.5, 7.])
 
 
-@pytest.mark.xfail(strict=True, raises=AttributeError, reason="distribute has no HierarchicalCopyAllReduce / NcclAllReduce / ReductionToOneDevice, so TF's MirroredStrategy(cross_device_ops=tf.distribute.X()) cannot be ported by substitution although README says cross_device_ops is accepted")
 @pytest.mark.parametrize("name", ["HierarchicalCopyAllReduce", "NcclAllReduce", "ReductionToOneDevice"])
 def test_cross_device_ops_names(name):
     s = distribute.MirroredStrategy(["/cpu:0", "/cpu:1"], cross_device_ops=getattr(distribute, name)())

@@ -203,3 +203,18 @@ def test_synchronized_batch_norm_equals_one_device(num_samples):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(model.predict(x, verbose=0), reference.predict(x, verbose=0), rtol=1e-4, atol=1e-5)
     assert model.layers[1].get_config()["synchronized"] is True
+
+
+def test_replica_code_that_cannot_be_one_program_runs_per_replica_as_tf():
+    # TF's testReduceAxisToCpu: a shape that depends on the replica id.
+    s = mirrored(2)
+    rid = lambda: _ctx().replica_id_in_sync_group  # noqa: E731
+    with pytest.warns(UserWarning, match="runs eagerly on every replica"):
+        value = s.run(lambda: jnp.full([int(rid()) + 1], rid()))
+    assert local_lists(s, value) == [[0], [1, 1]]
+    assert float(s.reduce("SUM", value, axis=0)) == 2.0
+    np.testing.assert_allclose(float(s.reduce("MEAN", value, axis=0)), 2.0 / 3.0, rtol=1e-6)
+    # A Python branch on a value, as TF's eager mode allows.
+    x = _first_batch(s, (1.0, 2.0, 30.0, 40.0), 4)
+    got = local_lists(s, s.run(lambda v: v * 2 if float(jnp.sum(v)) > 10 else v, args=(x,)))
+    assert got == [[1.0, 2.0], [60.0, 80.0]]

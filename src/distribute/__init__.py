@@ -47,6 +47,7 @@ _EXPORTS = {
     "TPUStrategy": "distribute.tpu",
     "OneDeviceStrategy": "distribute.mirrored",
     "ReplicaContext": "distribute.replica",
+    "RunOptions": "distribute.spmd",
     "Strategy": "distribute.strategy",
     "StrategyExtended": "distribute.strategy",
     "ValueContext": "distribute.strategy",

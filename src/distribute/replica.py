@@ -126,21 +126,28 @@ class ReplicaContext:
             return values
         return [to_varying(x) for x in values]
 
-    def _combine_all(self, variables: list, new: list, old: list) -> list:
-        """Makes assigned variables identical on every replica, by their aggregation."""
+    def _combine_all(self, variables: list, new: list, old: list, plain: frozenset = frozenset()) -> list:
+        """Makes assigned variables identical on every replica, by their aggregation.
+
+        ``plain``: ids of the variables whose last write was a plain ``assign``
+        (a ``sum`` variable then holds the sum of the assigned values, as TF's
+        MirroredVariable; otherwise, after ``assign_add``, every replica's change).
+        """
         if not self._in_program:
             return list(new)
-        return [combine_replicas(v, n, o) for v, n, o in zip(variables, new, old)]
+        return [combine_replicas(v, n, o, id(v) in plain) for v, n, o in zip(variables, new, old)]
 
     def __repr__(self) -> str:
         return f"ReplicaContext(strategy={self._strategy!r})"
 
 
 # -- the SPMD program's collectives (JAX's varying-manual-axes typing tells what differs) --
-def combine_replicas(var: Any, new: Any, old: Any) -> Any:
+def combine_replicas(var: Any, new: Any, old: Any, plain: bool = False) -> Any:
     """Makes a variable's new value identical on every replica, by its aggregation."""
     new = jnp.asarray(new, dtype=old.dtype)
     aggregation = var.aggregation
+    if aggregation == "sum" and plain:
+        return lax.psum(to_varying(new), AXIS)  # TF: assign in replica context sums the values
     if aggregation == "sum":
         # Sync-on-read SUM (metrics): every replica's change counts, even identical ones.
         return old + lax.psum(new - old, AXIS)

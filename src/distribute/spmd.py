@@ -20,6 +20,29 @@ from distribute.replica import ReplicaContext
 AXIS = "replica"
 
 
+class RunOptions:
+    """Options for ``Strategy.run`` (tf.distribute.RunOptions), accepted for TF code.
+
+    None of them changes anything here: full steps compile with static shapes,
+    an uneven step runs each replica on its real rows (``uneven.py``), and XLA
+    is always used.
+
+    Args:
+        experimental_enable_dynamic_batch_size: TF (TPU): allow a dynamic batch dim.
+        experimental_bucketizing_dynamic_shape: TF (TPU): pad dynamic shapes to buckets.
+        experimental_xla_options: TF (TPU): XLA compiler options.
+    """
+
+    def __init__(self, experimental_enable_dynamic_batch_size: bool = True, experimental_bucketizing_dynamic_shape: bool = False, experimental_xla_options: Any = None):
+        self.experimental_enable_dynamic_batch_size = experimental_enable_dynamic_batch_size
+        self.experimental_bucketizing_dynamic_shape = experimental_bucketizing_dynamic_shape
+        self.experimental_xla_options = experimental_xla_options
+
+    def __repr__(self) -> str:
+        return (f"RunOptions(experimental_enable_dynamic_batch_size={self.experimental_enable_dynamic_batch_size}, "
+                f"experimental_bucketizing_dynamic_shape={self.experimental_bucketizing_dynamic_shape})")
+
+
 def replica_context(strategy: Any, rows: int | None) -> ReplicaContext:
     """The SPMD program's replica context; ``rows``: each replica's rows (equal in a full step)."""
     global_rows = None if rows is None else rows * strategy.num_replicas_in_sync

@@ -374,12 +374,16 @@ class Strategy:
 
         Padding of partial batches is removed: with 2 replicas, the last batch of
         ``range(5).batch(4)`` gives ``([4], [])``.  A non-distributed value gives
-        ``(value,)``.  A SyncOnRead variable gives its replicas' copies (as TF's
+        ``(value,)``; a variable created in scope, its value once per local replica;
+        a SyncOnRead variable, its replicas' copies (as TF's
         SyncOnReadVariable; see ``sync_on_read.py``).
         """
         value = _sync_on_read_as_per_replica(value)
         if isinstance(value, DistributedValues):
             return value.values
+        if getattr(value, "_distribute_strategy", None) is self and hasattr(value, "value"):
+            # A MirroredVariable: the same value on every local replica (TF: its components).
+            return (value.value,) * len(self._extended._local_devices)
         leaves, treedef = jax.tree_util.tree_flatten(value, is_leaf=is_distributed)
         if any(isinstance(leaf, DistributedValues) for leaf in leaves):
             per_leaf = [leaf.values if isinstance(leaf, DistributedValues) else (leaf,) * len(self._extended._local_devices) for leaf in leaves]

@@ -62,11 +62,17 @@ class LiftingScope(StatelessScope):
         self.missing: dict[int, KerasVariable] = {}
         self.written: dict[int, KerasVariable] = {}
         self.device = device  # an uneven step's replica device: unmapped variables read their copy there
+        self.plain: set[int] = set()  # variables whose last write was a plain assign (not assign_add/sub)
+        self.additive_depth = 0  # > 0 inside assign_add / assign_sub
 
     def add_update(self, update: tuple) -> None:
         variable, value = update
         self.state_mapping[id(variable)] = value
         self.written[id(variable)] = variable
+        if self.additive_depth:
+            self.plain.discard(id(variable))
+        else:
+            self.plain.add(id(variable))
 
     def get_current_value(self, variable: KerasVariable) -> Any:
         value = self.state_mapping.get(id(variable))
@@ -87,6 +93,7 @@ class _Program:
     out_tree: Any = None
     out_kinds: list = dataclasses.field(default_factory=list)
     out_statics: list = dataclasses.field(default_factory=list)
+    per_replica: bool = False  # runs eagerly per replica (uneven.py): fn cannot be one SPMD program
 
 
 @dataclasses.dataclass
@@ -141,10 +148,31 @@ def run(strategy: Any, fn: Callable, args: tuple, kwargs: dict) -> Any:
     replicated = [_place(_array_of(d), ext._replicated_sharding) for d, k in zip(dynamic, _dynamic_kinds(kinds)) if k == _REPLICATED]
 
     program = ext._compiled.get(key)
-    if program is None or program.compiled is None:
+    if program is None or (program.compiled is None and not program.per_replica):
         _warn_on_retracing(ext, fn)
-        program = _compile(strategy, fn, treedef, kinds, statics, sharded, replicated)
+        try:
+            program = _compile(strategy, fn, treedef, kinds, statics, sharded, replicated)
+        except (jax.errors.ConcretizationTypeError, TypeError) as err:
+            if not isinstance(err, jax.errors.ConcretizationTypeError) and "concrete values" not in str(err):
+                raise
+            # fn needs concrete per-replica values (a shape from the replica id, a Python
+            # branch on a value): it cannot be one SPMD program, so every replica runs it
+            # eagerly, as TF's eager MirroredStrategy does.
+            initialize_all_variables()
+            import warnings
+
+            first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            warnings.warn(
+                f"strategy.run: {getattr(fn, '__qualname__', fn)!r} cannot be compiled as one program for all "
+                f"replicas ({first_line}); it runs eagerly on every replica, as in TF's eager mode, which is "
+                "slower. Use jnp.where / lax.cond instead of Python branches on values, and shapes that do "
+                "not depend on values or the replica id, to compile it.",
+                stacklevel=3,
+            )
+            program = _Program(read_vars=[], write_vars=[], per_replica=True)
         ext._compiled[key] = program
+    if program.per_replica:
+        return _run_uneven(strategy, fn, treedef, kinds, dynamic, statics, key, None)
     read_vals, write_vals = _variable_inputs(ext, program.read_vars), _variable_inputs(ext, program.write_vars)
     new_vals, outs, sums = program.compiled(read_vals, write_vals, sharded, replicated)
     for var, value in zip(program.write_vars, new_vals):
@@ -228,7 +256,7 @@ def _make_body(strategy, fn, treedef, kinds, statics, read_vars, write_vars, rec
         record.missing = scope.missing
         record.written = scope.written
         old_vals = [mapping[id(v)] for v in write_vars]
-        new_vals = sync_on_read.combine_all(context, write_vars, [scope.state_mapping[id(v)] for v in write_vars], old_vals)
+        new_vals = sync_on_read.combine_all(context, write_vars, [scope.state_mapping[id(v)] for v in write_vars], old_vals, frozenset(scope.plain))
         new_vals = [(n[0][None], n[1]) if isinstance(n, tuple) else n for n in new_vals]
         out_leaves, record.out_tree = jax.tree_util.tree_flatten(result, is_leaf=_is_keras_variable)
         record.out_kinds, record.out_statics, arrays = _classify_outputs(out_leaves)
@@ -270,7 +298,11 @@ def _is_python_constant(x: Any) -> bool:
 
 
 def _run_uneven(strategy, fn, treedef, kinds, dynamic, statics, key, lengths) -> Any:
-    """The exact uneven step (see ``uneven.py``): one thread per replica, each on its real rows."""
+    """The exact uneven step (see ``uneven.py``): one thread per replica, each on its real rows.
+
+    Also runs a step that cannot be one SPMD program (``lengths`` None): every
+    replica's rows are then equal.
+    """
     ext = strategy.extended
     # The padded input has the full step's shapes: its program knows the variables already.
     discovery_key = ("uneven", *key)
@@ -295,7 +327,7 @@ def _run_uneven(strategy, fn, treedef, kinds, dynamic, statics, key, lengths) ->
         written = list(program.write_vars) + [v for i, v in scope.written.items() if all(w is not v for w in program.write_vars)]
         old = [_local_value(v, context._device) for v in written]
         new = [scope.state_mapping[id(v)] if id(v) in scope.written else o for v, o in zip(written, old)]
-        combined = sync_on_read.combine_all(context, written, new, old)
+        combined = sync_on_read.combine_all(context, written, new, old, frozenset(scope.plain))
         out_leaves, out_tree = jax.tree_util.tree_flatten(result, is_leaf=_is_keras_variable)
         out_leaves = [x if _is_python_constant(x) else _as_output(x) for x in out_leaves]
         rows = None
@@ -303,8 +335,19 @@ def _run_uneven(strategy, fn, treedef, kinds, dynamic, statics, key, lengths) ->
             rows = context._everyones(jnp.asarray([np.shape(x)[0] if np.ndim(x) else -1 for x in out_leaves], jnp.int32))
         return written, combined, out_tree, out_leaves, rows
 
-    results = uneven.run_replicas(strategy, body, lengths.tolist())
+    if lengths is None:
+        first = next((d for d, k in zip(dynamic, _dynamic_kinds(kinds)) if k == _SHARDED and d._array.ndim > 1), None)
+        rows = None if first is None else [first._array.shape[1]] * strategy.num_replicas_in_sync
+    else:
+        rows = lengths.tolist()
+    results = uneven.run_replicas(strategy, body, rows)
     written, _, out_tree, _, all_rows = results[0]
+    trees = {r[2] for r in results}
+    if len(trees) > 1:
+        raise ValueError(
+            f"The replicas returned differently structured values from strategy.run ({sorted(map(str, trees))}); "
+            "every replica must return the same structure (TF: an AssertionError in regroup)."
+        )
     for i, var in enumerate(written):
         if sync_on_read.tracked(var):  # (this replica's copy, the aggregate) from each replica
             copies, _ = uneven.per_replica_from_local(strategy, [r[1][i][0] for r in results])

@@ -257,7 +257,7 @@ class ThreadedReplicaContext(ReplicaContext):
     def _prepare_for_gradients(self, values: list) -> list:
         return values
 
-    def _combine_all(self, variables: Sequence[Any], new: Sequence[Any], old: Sequence[Any]) -> list:
+    def _combine_all(self, variables: Sequence[Any], new: Sequence[Any], old: Sequence[Any], plain: frozenset = frozenset()) -> list:
         """Makes assigned variables identical on every replica, by their aggregation (as the SPMD path).
 
         ``sum``: every replica's change counts; values equal on every replica stay;
@@ -273,10 +273,11 @@ class ThreadedReplicaContext(ReplicaContext):
         first = self._replica == 0
         summed = [v.aggregation == "sum" for v in variables]
         # Round 1: every replica's change of the sum variables; replica 0's value of the others.
-        probe = [n - o if is_sum else jnp.where(first, n, jnp.zeros_like(n)) for n, o, is_sum in zip(new, old, summed)]
+        assigned = [id(v) in plain for v in variables]
+        probe = [(n if a else n - o) if is_sum else jnp.where(first, n, jnp.zeros_like(n)) for n, o, is_sum, a in zip(new, old, summed, assigned)]
         totals = self._sum_tree(probe)
         others = [i for i, is_sum in enumerate(summed) if not is_sum]
-        out = [o + t if is_sum else t for o, t, is_sum in zip(old, totals, summed)]
+        out = [(t if a else o + t) if is_sum else t for o, t, is_sum, a in zip(old, totals, summed, assigned)]
         if not others:
             return out
         # Round 2: which values differ from replica 0's, and their mean over the replicas that had rows.

@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import numpy as np
+
 from distribute.checkpoint import _state, _storage
 
 
@@ -71,6 +73,16 @@ class RestoreStatus:
         return f"RestoreStatus(path={self.path!r}, num_variables={self.num_variables}, waiting={sorted(self._waiting)})"
 
 
+
+class SaveCounter(int):
+    """The number of ``save`` calls, as an int that also answers TF code's ``save_counter.numpy()``."""
+
+    def numpy(self) -> np.int64:
+        return np.int64(self)
+
+    def read_value(self) -> np.int64:
+        return np.int64(self)
+
 class Checkpoint:
     """Saves and restores Keras objects' variables (tf.train.Checkpoint), on orbax-checkpoint.
 
@@ -111,7 +123,7 @@ class Checkpoint:
             if not (_state.is_optimizer(obj) or _state.is_unbuilt(obj)):
                 _state.variables_of(name, obj)
         self._objects = dict(objects)
-        self.save_counter = 0
+        self.save_counter = SaveCounter(0)
         self._writer: _storage._Writer | None = None
 
     def __setattr__(self, name: str, value: Any) -> None:
@@ -151,7 +163,7 @@ class Checkpoint:
         Raises:
             ValueError: a path orbax cannot open (see ``write``).
         """
-        self.save_counter += 1
+        self.save_counter = SaveCounter(self.save_counter + 1)
         return self.write(f"{os.fspath(file_prefix)}-{self.save_counter}")
 
     def write(self, file_prefix: str | os.PathLike) -> str:
@@ -239,7 +251,7 @@ class Checkpoint:
                 continue
             plan += _state.match(path, name, _state.variables_of(name, obj), saved[name], arrays[name])
         _state.assign(plan)
-        self.save_counter = int(record.get("save_counter", 0))
+        self.save_counter = SaveCounter(int(record.get("save_counter", 0)))
         status = RestoreStatus(path, len(plan), record.get("extra"), waiting)
         for name, obj in waiting.items():
             _state.defer(obj, self._deferred(path, name, obj, saved[name], arrays[name], status, saved))

@@ -33,7 +33,17 @@ from typing import Any
 import jax.numpy as jnp
 
 from distribute import _context, sync_on_read
-from distribute._keras import BaseOptimizer, BatchNormalization, JaxVariable, Layer, Metric, SeedGenerator, install_per_thread_attributes
+from distribute._keras import (
+    BaseOptimizer,
+    BatchNormalization,
+    JaxVariable,
+    KerasVariable,
+    Layer,
+    Metric,
+    SeedGenerator,
+    get_stateless_scope,
+    install_per_thread_attributes,
+)
 from distribute._keras import patch as _patch
 from distribute.tracing import check_ownership
 
@@ -59,6 +69,8 @@ def install() -> None:
     install_per_thread_attributes()
     _install_activity_regularizer_property(Layer)
     _patch(BatchNormalization, "__init__", _batch_norm_init)
+    _patch(KerasVariable, "assign_add", _additive)
+    _patch(KerasVariable, "assign_sub", _additive)
     _patch(BatchNormalization, "_moments", _batch_norm_moments)
     _INSTALLED.append(True)
 
@@ -120,6 +132,24 @@ def _metric_init(original):
         original(self, *args, **kwargs)
 
     return __init__
+
+
+def _additive(original):
+    """assign_add / assign_sub: tells run's scope that the write adds to the variable (sum aggregation)."""
+
+    def method(self, value):
+        from distribute.tracing import LiftingScope
+
+        scope = get_stateless_scope()
+        if not isinstance(scope, LiftingScope):
+            return original(self, value)
+        scope.additive_depth += 1
+        try:
+            return original(self, value)
+        finally:
+            scope.additive_depth -= 1
+
+    return method
 
 
 def _batch_norm_init(original):
