@@ -103,38 +103,35 @@ class _XlaReduction(CrossDeviceOps):
         return [self.reduce(reduce_op, value, destinations, options) for value, destinations in value_destination_pairs]
 
 
-class NcclAllReduce(_XlaReduction):
-    """TF's NCCL all-reduce (tf.distribute.NcclAllReduce); here XLA's all-reduce does the work.
+class _PackedReduction(_XlaReduction):
+    """TF's all-reduce classes that split gradients into ``num_packs`` packs; XLA's all-reduce here.
 
     Args:
         num_packs: how many packs TF splits gradients into; must be >= 0 (as TF).
 
     Raises:
-        ValueError: ``num_packs < 0``.
+        ValueError: ``num_packs < 0`` (TF's message).
     """
+
+    _tf_name = ""
 
     def __init__(self, num_packs: int = 1) -> None:
         if num_packs < 0:
-            raise ValueError(f"NCCL all-reduce requires num_packs >= 0, but {num_packs} is specified")
+            raise ValueError(f"{self._tf_name} requires num_packs >= 0, but {num_packs} is specified")
         super().__init__()
         self.num_packs = num_packs
 
 
-class HierarchicalCopyAllReduce(_XlaReduction):
-    """TF's hierarchical-copy all-reduce (tf.distribute.HierarchicalCopyAllReduce); XLA's all-reduce here.
+class NcclAllReduce(_PackedReduction):
+    """TF's NCCL all-reduce (tf.distribute.NcclAllReduce); here XLA's all-reduce does the work."""
 
-    Args:
-        num_packs: how many packs TF splits gradients into; must be >= 0 (as TF).
+    _tf_name = "NCCL all-reduce"
 
-    Raises:
-        ValueError: ``num_packs < 0``.
-    """
 
-    def __init__(self, num_packs: int = 1) -> None:
-        if num_packs < 0:
-            raise ValueError(f"HierarchicalCopy requires num_packs >= 0, but {num_packs} is specified")
-        super().__init__()
-        self.num_packs = num_packs
+class HierarchicalCopyAllReduce(_PackedReduction):
+    """TF's hierarchical-copy all-reduce (tf.distribute.HierarchicalCopyAllReduce); XLA's all-reduce here."""
+
+    _tf_name = "HierarchicalCopy"
 
 
 class ReductionToOneDevice(_XlaReduction):
