@@ -2,9 +2,9 @@
 
     python benchmarks/uneven_step_cost.py   # 2 virtual CPU devices
 """
-import os, sys, time
+import os, time
 os.environ["XLA_FLAGS"]="--xla_force_host_platform_device_count=2"
-import distribute, keras, numpy as np, jax.numpy as jnp
+import distribute, keras, numpy as np
 from distribute.data import Dataset
 s = distribute.MirroredStrategy()
 rng = np.random.default_rng(0)
