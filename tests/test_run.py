@@ -101,7 +101,7 @@ def test_run_with_python_constants_and_kwargs():
 # -- mirrored variables -------------------------------------------------------------------------
 def _assert_mirrored(variable, strategy):
     value = variable.value
-    devices = set(strategy.extended._devices)
+    devices = set(strategy.extended.replica_mesh.devices)
     assert value.sharding.device_set == devices
     assert value.sharding.is_fully_replicated
     shards = [np.asarray(sh.data) for sh in value.addressable_shards]

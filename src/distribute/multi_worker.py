@@ -95,11 +95,11 @@ class MultiWorkerExtended(StrategyExtended):
         self._exchange: _Exchange | None = strategy._exchange_obj
         self._tf_config = _env.Watch(_env.TF_CONFIG)  # as the strategy read it; checked at every step
 
-    def _step_dispatched(self, outputs: Any) -> None:
+    def record_dispatch(self, outputs: Any) -> None:
         """After every step (run, fit, reduce, gather): a warning if TF_CONFIG changed since the strategy was created."""
         if self._tf_config.changed():
             self._warn_tf_config_changed()
-        super()._step_dispatched(outputs)
+        super().record_dispatch(outputs)
 
     def _warn_tf_config_changed(self) -> None:
         now = self._tf_config.value
@@ -215,11 +215,11 @@ class MultiWorkerExtended(StrategyExtended):
         from distribute.input.splitting import split_batch
 
         policy = self._policy(dataset)
-        num_local, me = len(self._local_devices), self._cluster.worker_id
+        num_local, me = len(self.replica_mesh.local_devices), self._cluster.worker_id
         workers = [me] if policy == AutoShardPolicy.DATA else range(self._cluster.num_workers)
         for element in dataset:
             leaves, treedef = jax.tree_util.tree_flatten(element)
-            stacked, lengths = split_batch(leaves, len(self._devices), rows_per_replica)
+            stacked, lengths = split_batch(leaves, len(self.replica_mesh.devices), rows_per_replica)
             for w in workers:
                 part = slice(w * num_local, (w + 1) * num_local)
                 local = [x[part] for x in stacked]
@@ -228,7 +228,7 @@ class MultiWorkerExtended(StrategyExtended):
 
     def _agree(self, batches: Iterator) -> Iterator[tuple[list, Any, np.ndarray | None]]:
         """Runs a step while any worker has data; workers without data feed empty, masked batches."""
-        exchange, num_local = self._exchange, len(self._local_devices)
+        exchange, num_local = self._exchange, len(self.replica_mesh.local_devices)
         if exchange is None:
             for stacked, treedef, counts in batches:
                 rows = stacked[0].shape[1] if stacked and stacked[0].ndim > 1 else 0
@@ -261,13 +261,6 @@ class MultiWorkerExtended(StrategyExtended):
                 stacked = [np.zeros(shape, np.dtype(dtype)) for shape, dtype in shapes]
             rows = stacked[0].shape[1] if stacked and stacked[0].ndim > 1 else 0
             yield stacked, treedef, (None if rows and bool(np.all(lengths == rows)) else lengths)
-
-    def _to_host(self, array: Any) -> np.ndarray:
-        from jax.experimental import multihost_utils
-
-        if array.is_fully_addressable or array.is_fully_replicated:
-            return np.asarray(array)
-        return np.asarray(multihost_utils.process_allgather(array, tiled=True))
 
 
 class MultiWorkerMirroredStrategy(Strategy):
@@ -332,7 +325,7 @@ class MultiWorkerMirroredStrategy(Strategy):
     def _replicated(self, tree: Any) -> Any:
         if self._cluster_info.num_workers == 1:
             return tree
-        sharding = self._extended._replicated_sharding
+        sharding = self._extended.replica_mesh.replicated_sharding
 
         def one(x: Any) -> Any:
             if isinstance(x, jax.Array) and not x.is_fully_replicated:

@@ -8,12 +8,12 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from distribute.mesh import AXIS
 from distribute.values import ReduceOp
 
 if TYPE_CHECKING:  # pragma: no cover
     from distribute.strategy import Strategy
 
-AXIS = "replica"
 
 
 class ReplicaContext:

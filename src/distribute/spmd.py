@@ -17,7 +17,6 @@ import jax
 
 from distribute.replica import ReplicaContext
 
-AXIS = "replica"
 
 
 class RunOptions:
@@ -51,5 +50,5 @@ def replica_context(strategy: Any, rows: int | None) -> ReplicaContext:
 
 def compile_program(strategy: Any, body: Callable, in_specs: Any, out_specs: Any, donate_argnums: tuple = ()) -> Any:
     """``jit(shard_map(body))`` over the strategy's mesh: the one place programs are built."""
-    mapped = jax.shard_map(body, mesh=strategy.extended._mesh, in_specs=in_specs, out_specs=out_specs)
+    mapped = jax.shard_map(body, mesh=strategy.extended.replica_mesh.mesh, in_specs=in_specs, out_specs=out_specs)
     return jax.jit(mapped, donate_argnums=donate_argnums)

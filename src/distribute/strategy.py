@@ -17,12 +17,11 @@ from typing import Any, Callable, Iterator, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
 
 from distribute import _context
+from distribute.mesh import ReplicaMesh
 from distribute.values import DistributedValues, Mirrored, PerReplica, ReduceOp, is_distributed
 
-AXIS = "replica"
 _MAX_STEPS_IN_FLIGHT = 2
 
 
@@ -46,32 +45,28 @@ class ValueContext:
 class StrategyExtended:
     """The less common half of a strategy's API (tf.distribute.StrategyExtended).
 
-    Holds the mesh (one axis, ``"replica"``) and the shardings used for
-    per-replica (``P("replica")``) and mirrored (``P()``) values.
+    A mesh strategy's extended holds ``replica_mesh`` (``mesh.py``: its devices,
+    the one-axis mesh, the shardings of per-replica and mirrored values, and
+    placement), the compiled-program cache and the in-flight bound.
     """
 
     def __init__(self, strategy: "Strategy", devices: Sequence[jax.Device]):
         self._container_strategy = strategy
-        self._devices = tuple(devices)
-        self._mesh = jax.sharding.Mesh(np.array(self._devices), (AXIS,))
-        self._per_replica_sharding = NamedSharding(self._mesh, P(AXIS))
-        self._replicated_sharding = NamedSharding(self._mesh, P())
-        process = jax.process_index()
-        self._local_devices = tuple(d for d in self._devices if d.process_index == process)
-        self._compiled: dict = {}  # run's cache, see tracing.py
+        self.replica_mesh = ReplicaMesh(devices)  # devices, mesh, shardings, placement (mesh.py)
+        self.programs: dict = {}  # the compiled programs of run, by function and input signature (tracing.py)
         # XLA:CPU runs every virtual device's share of a program on one small thread
         # pool; with many collective programs queued, devices can wait on each
         # other's rendezvous for ever. On CPU at most _MAX_STEPS_IN_FLIGHT steps are
         # queued ahead of the host (GPUs and TPUs queue freely).
         self._in_flight: collections.deque | None = (
-            collections.deque() if len(self._devices) > 1 and self._devices[0].platform == "cpu" else None
+            collections.deque() if len(self.replica_mesh.devices) > 1 and self.replica_mesh.devices[0].platform == "cpu" else None
         )
 
     # -- public, as TF --------------------------------------------------------------
     @property
     def worker_devices(self) -> tuple[str, ...]:
         """This worker's devices, as strings (TF: worker_devices)."""
-        return tuple(_device_name(d) for d in self._local_devices)
+        return tuple(_device_name(d) for d in self.replica_mesh.local_devices)
 
     @property
     def parameter_devices(self) -> tuple[str, ...]:
@@ -160,7 +155,7 @@ class StrategyExtended:
         return fn(var, *args, **(kwargs or {}))
 
     # -- internal ---------------------------------------------------------------------
-    def _step_dispatched(self, outputs: Any) -> None:
+    def record_dispatch(self, outputs: Any) -> None:
         """Records a dispatched program (a step, a reduce, a gather); waits for an older
         one when too many are queued (CPU only).
 
@@ -190,7 +185,7 @@ class StrategyExtended:
         """
         from distribute.input.splitting import split_batch
 
-        num_local = len(self._local_devices)
+        num_local = len(self.replica_mesh.local_devices)
         for element in self._shard_dataset(dataset):
             leaves, treedef = jax.tree_util.tree_flatten(element)
             stacked, lengths = split_batch(leaves, num_local, rows_per_replica)
@@ -203,46 +198,6 @@ class StrategyExtended:
     def _agree(self, batches: Iterator[tuple[list, Any, np.ndarray | None]]) -> Iterator[tuple[list, Any, np.ndarray | None]]:
         """Makes every worker take the same number of steps (one worker: nothing to agree on)."""
         return batches
-
-    def _put_per_replica(self, stacked: Any) -> jax.Array:
-        """Places a stacked host value as a global per-replica array.
-
-        ``stacked`` is ``(num_local_replicas, ...)``, or ``(num_replicas_in_sync,
-        ...)`` (every replica's row; only this worker's rows are used).
-        """
-        _check_integers_fit(stacked)
-        if jax.process_count() == 1:
-            return jax.device_put(stacked, self._per_replica_sharding)
-        stacked = np.asarray(stacked)
-        if stacked.shape[0] == len(self._devices):
-            stacked = self._local_rows(stacked)
-        global_shape = (len(self._devices), *stacked.shape[1:])
-        return jax.make_array_from_process_local_data(self._per_replica_sharding, stacked, global_shape)
-
-    def _put_per_replica_all(self, stacked: list) -> list:
-        """``_put_per_replica`` of several values, in one transfer call where possible."""
-        if jax.process_count() == 1:
-            for value in stacked:
-                _check_integers_fit(value)
-            return jax.device_put(list(stacked), self._per_replica_sharding)
-        return [self._put_per_replica(value) for value in stacked]
-
-    def _local_rows(self, stacked: Any) -> Any:
-        """This worker's rows of a ``(num_replicas_in_sync, ...)`` host value."""
-        if len(self._local_devices) == len(self._devices):
-            return stacked
-        first = self._devices.index(self._local_devices[0])
-        return stacked[first : first + len(self._local_devices)]
-
-    def _to_host(self, array: Any) -> np.ndarray:
-        """The whole value of a (possibly multi-worker) array as numpy."""
-        return np.asarray(array)
-
-    def _put_replicated(self, value: Any) -> jax.Array:
-        if isinstance(value, DistributedValues):
-            raise TypeError(f"expected a plain array, got {type(value).__name__}")
-        _check_integers_fit(value)
-        return jax.device_put(value, self._replicated_sharding)
 
 
 class Strategy:
@@ -267,7 +222,7 @@ class Strategy:
     @property
     def num_replicas_in_sync(self) -> int:
         """Replicas taking part in each step, across all workers."""
-        return len(self._extended._devices)
+        return len(self._extended.replica_mesh.devices)
 
     @property
     def cluster_resolver(self):
@@ -275,8 +230,8 @@ class Strategy:
         return self._cluster_resolver
 
     def __repr__(self) -> str:
-        devices = ", ".join(f"{d.platform}:{d.id}" for d in self._extended._devices[:8])
-        more = ", ..." if len(self._extended._devices) > 8 else ""
+        devices = ", ".join(f"{d.platform}:{d.id}" for d in self._extended.replica_mesh.devices[:8])
+        more = ", ..." if len(self._extended.replica_mesh.devices) > 8 else ""
         return f"<{type(self).__name__} num_replicas_in_sync={self.num_replicas_in_sync} devices=[{devices}{more}] at {id(self):#x}>"
 
     # -- scope -----------------------------------------------------------------------------
@@ -347,7 +302,7 @@ class Strategy:
         value = _sync_on_read_as_per_replica(value)
         self._check_values_are_ours(value, "reduce")
         result = jax.tree_util.tree_map(lambda v: self._reduce_one(op, v, axis), value, is_leaf=is_distributed)
-        self._extended._step_dispatched(result)
+        self._extended.record_dispatch(result)
         return result
 
     def gather(self, value: Any, axis: int) -> Any:
@@ -366,7 +321,7 @@ class Strategy:
         value = _sync_on_read_as_per_replica(value)
         self._check_values_are_ours(value, "gather")
         result = jax.tree_util.tree_map(lambda v: self._gather_one(v, axis), value, is_leaf=is_distributed)
-        self._extended._step_dispatched(result)
+        self._extended.record_dispatch(result)
         return result
 
     def experimental_local_results(self, value: Any) -> tuple:
@@ -383,10 +338,10 @@ class Strategy:
             return value.values
         if getattr(value, "_distribute_strategy", None) is self and hasattr(value, "value"):
             # A MirroredVariable: the same value on every local replica (TF: its components).
-            return (value.value,) * len(self._extended._local_devices)
+            return (value.value,) * len(self._extended.replica_mesh.local_devices)
         leaves, treedef = jax.tree_util.tree_flatten(value, is_leaf=is_distributed)
         if any(isinstance(leaf, DistributedValues) for leaf in leaves):
-            per_leaf = [leaf.values if isinstance(leaf, DistributedValues) else (leaf,) * len(self._extended._local_devices) for leaf in leaves]
+            per_leaf = [leaf.values if isinstance(leaf, DistributedValues) else (leaf,) * len(self._extended.replica_mesh.local_devices) for leaf in leaves]
             return tuple(jax.tree_util.tree_unflatten(treedef, list(parts)) for parts in zip(*per_leaf))
         return (value,)
 
@@ -397,7 +352,7 @@ class Strategy:
         ``num_replicas_in_sync``; nested structures give nested PerReplica values.
         """
         ext = self._extended
-        ids = [ext._devices.index(d) for d in ext._local_devices]
+        ids = [ext.replica_mesh.devices.index(d) for d in ext.replica_mesh.local_devices]
         parts = [value_fn(ValueContext(i, self.num_replicas_in_sync)) for i in ids]
         leaves0, treedef = jax.tree_util.tree_flatten(parts[0])
         columns = [jax.tree_util.tree_leaves(p) for p in parts]
@@ -571,24 +526,6 @@ def _jit_take_rows(array: jax.Array, index: jax.Array) -> jax.Array:
 @functools.partial(jax.jit, static_argnums=(1,))
 def _jit_concat(array: jax.Array, axis: int) -> jax.Array:
     return jnp.concatenate([array[r] for r in range(array.shape[0])], axis=axis)
-
-
-_INT32 = np.iinfo(np.int32)
-
-
-def _check_integers_fit(value: Any) -> None:
-    """64-bit integers become 32-bit on devices unless jax_enable_x64 is set: refuse to lose values."""
-    if not isinstance(value, np.ndarray) or value.dtype not in (np.int64, np.uint64) or not value.size:
-        return
-    if jax.config.jax_enable_x64:
-        return
-    low, high = int(value.min()), int(value.max())
-    if low < _INT32.min or high > _INT32.max:
-        raise ValueError(
-            f"An int64 input holds values in [{low}, {high}], outside int32's range; JAX keeps "
-            "integers in 32 bits unless 64-bit mode is on, so they would be corrupted. Enable it "
-            "before creating arrays: jax.config.update('jax_enable_x64', True)."
-        )
 
 
 def _check_reduce_axis(axis: Any) -> None:

@@ -42,7 +42,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from distribute.replica import AXIS
+from distribute.mesh import AXIS
 
 
 def tracked(var: Any) -> bool:
@@ -50,7 +50,7 @@ def tracked(var: Any) -> bool:
     if getattr(var, "synchronization", None) != "on_read":
         return False
     strategy = getattr(var, "_distribute_strategy", None)
-    return strategy is not None and strategy.num_replicas_in_sync > 1 and hasattr(strategy.extended, "_per_replica_sharding")
+    return strategy is not None and strategy.num_replicas_in_sync > 1 and hasattr(strategy.extended, "replica_mesh")
 
 
 def on_created(var: Any) -> None:
@@ -80,7 +80,7 @@ def copies(var: Any) -> jax.Array:
     if var._value is None:
         raise ValueError(f"Variable '{var.path}' has no value (it is held by a running Keras fit loop).")
     ext = var._distribute_strategy.extended
-    return _split_program(ext._per_replica_sharding, var.aggregation, len(ext._devices))(var._value)
+    return _split_program(ext.replica_mesh.per_replica_sharding, var.aggregation, len(ext.replica_mesh.devices))(var._value)
 
 
 @functools.lru_cache(maxsize=None)

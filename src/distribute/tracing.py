@@ -35,11 +35,11 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from distribute.mesh import AXIS
 from distribute import _context, spmd, sync_on_read, uneven
 from distribute._keras import KerasVariable, StatelessScope, initialize_all_variables
 from distribute.values import DistributedValues, Mirrored, PerReplica
 
-AXIS = "replica"
 _SHARDED, _REPLICATED, _STATIC = 0, 1, 2
 _ARRAY_OUT, _SUMMED_OUT, _STATIC_OUT = 0, 1, 2
 _FUSED_REDUCE_MAX_SIZE = 64  # elements per replica; bigger outputs are reduced on demand
@@ -145,9 +145,9 @@ def run(strategy: Any, fn: Callable, args: tuple, kwargs: dict) -> Any:
     if lengths is not None:
         return _run_uneven(strategy, fn, treedef, kinds, dynamic, statics, key, lengths)
     sharded = [d._array for d, k in zip(dynamic, _dynamic_kinds(kinds)) if k == _SHARDED]
-    replicated = [_place(_array_of(d), ext._replicated_sharding) for d, k in zip(dynamic, _dynamic_kinds(kinds)) if k == _REPLICATED]
+    replicated = [_place(_array_of(d), ext.replica_mesh.replicated_sharding) for d, k in zip(dynamic, _dynamic_kinds(kinds)) if k == _REPLICATED]
 
-    program = ext._compiled.get(key)
+    program = ext.programs.get(key)
     if program is None or (program.compiled is None and not program.per_replica):
         _warn_on_retracing(ext, fn)
         try:
@@ -170,7 +170,7 @@ def run(strategy: Any, fn: Callable, args: tuple, kwargs: dict) -> Any:
                 stacklevel=3,
             )
             program = _Program(read_vars=[], write_vars=[], per_replica=True)
-        ext._compiled[key] = program
+        ext.programs[key] = program
     if program.per_replica:
         return _run_uneven(strategy, fn, treedef, kinds, dynamic, statics, key, None)
     read_vals, write_vals = _variable_inputs(ext, program.read_vars), _variable_inputs(ext, program.write_vars)
@@ -180,7 +180,7 @@ def run(strategy: Any, fn: Callable, args: tuple, kwargs: dict) -> Any:
             sync_on_read.store(var, value[1], value[0])  # SyncOnRead: (copies, aggregate)
         else:
             var._value = value
-    ext._step_dispatched(outs if outs else new_vals)
+    ext.record_dispatch(outs if outs else new_vals)
     sums, outs = iter(sums), iter(outs)
     results = [
         static if kind == _STATIC_OUT else PerReplica._from_array(strategy, next(outs), None, next(sums) if kind == _SUMMED_OUT else None)
@@ -232,7 +232,7 @@ def _shard_and_jit(strategy, body: Callable, read_vars: list, write_vars: list):
 
 
 def _variable_inputs(ext: Any, variables: list) -> list:
-    return [sync_on_read.program_input(v, lambda value: _place(value, ext._replicated_sharding)) for v in variables]
+    return [sync_on_read.program_input(v, lambda value: _place(value, ext.replica_mesh.replicated_sharding)) for v in variables]
 
 
 def _make_body(strategy, fn, treedef, kinds, statics, read_vars, write_vars, record: _TraceRecord):
@@ -306,12 +306,12 @@ def _run_uneven(strategy, fn, treedef, kinds, dynamic, statics, key, lengths) ->
     ext = strategy.extended
     # The padded input has the full step's shapes: its program knows the variables already.
     discovery_key = ("uneven", *key)
-    program = ext._compiled.get(key) or ext._compiled.get(discovery_key)
+    program = ext.programs.get(key) or ext.programs.get(discovery_key)
     if program is None:
         padded = [d._array for d, k in zip(dynamic, _dynamic_kinds(kinds)) if k == _SHARDED]
-        replicated = [_place(_array_of(d), ext._replicated_sharding) for d, k in zip(dynamic, _dynamic_kinds(kinds)) if k == _REPLICATED]
+        replicated = [_place(_array_of(d), ext.replica_mesh.replicated_sharding) for d, k in zip(dynamic, _dynamic_kinds(kinds)) if k == _REPLICATED]
         program = _compile(strategy, fn, treedef, kinds, statics, padded, replicated, compile_program=False)
-        ext._compiled[discovery_key] = program
+        ext.programs[discovery_key] = program
     slices = [uneven.local_slices(d, strategy) for d in dynamic]
     known = program.read_vars + program.write_vars
     multi_process = jax.process_count() > 1

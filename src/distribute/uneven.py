@@ -149,7 +149,7 @@ class ThreadedReplicaContext(ReplicaContext):
         self._local = local_index
         self._meeting = meeting
         self._calls = 0
-        self._device = strategy.extended._local_devices[local_index]
+        self._device = strategy.extended.replica_mesh.local_devices[local_index]
         self._first = replica - local_index
         self._traced_replica_id = None
 
@@ -340,14 +340,14 @@ def _differentiable_gather(context: ThreadedReplicaContext, axis: int) -> Callab
 def _global_from_local(strategy: Any, values: list) -> jax.Array:
     """A ``(replicas, ...)`` array sharded on the mesh from this worker's per-device values."""
     ext = strategy.extended
-    shards = [jax.device_put(jnp.asarray(v)[None], d) for v, d in zip(values, ext._local_devices)]
-    shape = (len(ext._devices), *shards[0].shape[1:])
-    return jax.make_array_from_single_device_arrays(shape, ext._per_replica_sharding, shards)
+    shards = [jax.device_put(jnp.asarray(v)[None], d) for v, d in zip(values, ext.replica_mesh.local_devices)]
+    shape = (len(ext.replica_mesh.devices), *shards[0].shape[1:])
+    return jax.make_array_from_single_device_arrays(shape, ext.replica_mesh.per_replica_sharding, shards)
 
 
 def _per_local_device(strategy: Any, array: jax.Array) -> list:
     by_device = {s.device: s.data for s in array.addressable_shards}
-    return [by_device[d] for d in strategy.extended._local_devices]
+    return [by_device[d] for d in strategy.extended.replica_mesh.local_devices]
 
 
 @functools.lru_cache(maxsize=None)
@@ -363,7 +363,7 @@ def _all_program(sharding: Any) -> Callable:
 def _sum_over_replicas(strategy: Any, columns: list[list]) -> list[list]:
     """``columns[i]``: this worker's per-device values of leaf ``i`` -> per local device, the sums."""
     if not columns:
-        return [[] for _ in strategy.extended._local_devices]
+        return [[] for _ in strategy.extended.replica_mesh.local_devices]
     ext = strategy.extended
     for every in _shapes_everywhere(strategy, columns, "an all_reduce of an uneven step"):
         shapes, dtypes = sorted({shape for shape, _ in every}), sorted({dtype for _, dtype in every})
@@ -373,7 +373,7 @@ def _sum_over_replicas(strategy: Any, columns: list[list]) -> list[list]:
                 "replica must pass a value of the same shape and dtype (reduce the batch dim first, e.g. "
                 "with a sum over axis 0)."
             )
-    totals = _sum_program(ext._replicated_sharding)([_global_from_local(strategy, col) for col in columns])
+    totals = _sum_program(ext.replica_mesh.replicated_sharding)([_global_from_local(strategy, col) for col in columns])
     per_leaf = [_per_local_device(strategy, t) for t in totals]
     return [list(per_device) for per_device in zip(*per_leaf)]
 
@@ -381,7 +381,7 @@ def _sum_over_replicas(strategy: Any, columns: list[list]) -> list[list]:
 def _everyone(strategy: Any, columns: list[list]) -> list[np.ndarray]:
     """Every replica's (equal-shaped) values of each leaf, on the host: ``(replicas, ...)`` each."""
     ext = strategy.extended
-    gathered = _all_program(ext._replicated_sharding)([_global_from_local(strategy, col) for col in columns])
+    gathered = _all_program(ext.replica_mesh.replicated_sharding)([_global_from_local(strategy, col) for col in columns])
     return [np.asarray(g) for g in gathered]
 
 
@@ -423,7 +423,7 @@ def _gather_over_replicas(strategy: Any, columns: list[list], axis: int) -> list
         gathered = _everyone(strategy, [padded])[0]
         pieces = [np.take(gathered[r], np.arange(int(n)), axis=ax) for r, n in enumerate(sizes.tolist())]
         whole = np.concatenate(pieces, axis=ax)
-        out_columns.append([jax.device_put(whole, d) for d in ext._local_devices])
+        out_columns.append([jax.device_put(whole, d) for d in ext.replica_mesh.local_devices])
     return [list(per_device) for per_device in zip(*out_columns)]
 
 
@@ -443,8 +443,8 @@ def run_replicas(strategy: Any, body: Callable[[ThreadedReplicaContext], Any], r
     from distribute._keras import copy_thread_state
 
     ext = strategy.extended
-    num_local = len(ext._local_devices)
-    first = ext._devices.index(ext._local_devices[0])
+    num_local = len(ext.replica_mesh.local_devices)
+    first = ext.replica_mesh.devices.index(ext.replica_mesh.local_devices[0])
     timeout = float(getattr(ext, "_timeout_seconds", None) or MEETING_TIMEOUT_SECONDS)
     meeting = _Meeting(num_local, timeout)
     global_rows = None if rows is None else int(sum(rows))
@@ -457,7 +457,7 @@ def run_replicas(strategy: Any, body: Callable[[ThreadedReplicaContext], Any], r
         context = ThreadedReplicaContext(strategy, replica, local, meeting, None if rows is None else int(rows[replica]), global_rows)
         try:
             keras_state.apply()
-            with jax.default_device(ext._local_devices[local]), _context.enter_replica(strategy, context):
+            with jax.default_device(ext.replica_mesh.local_devices[local]), _context.enter_replica(strategy, context):
                 results[local] = body(context)
         except _Aborted:
             errors[local] = _Aborted()
@@ -483,8 +483,8 @@ def run_replicas(strategy: Any, body: Callable[[ThreadedReplicaContext], Any], r
 def replicated_from_local(strategy: Any, per_device: list) -> jax.Array:
     """One replicated array from this worker's identical per-device copies."""
     ext = strategy.extended
-    per_device = [jax.device_put(jnp.asarray(v), d) for v, d in zip(per_device, ext._local_devices)]
-    return jax.make_array_from_single_device_arrays(per_device[0].shape, ext._replicated_sharding, per_device)
+    per_device = [jax.device_put(jnp.asarray(v), d) for v, d in zip(per_device, ext.replica_mesh.local_devices)]
+    return jax.make_array_from_single_device_arrays(per_device[0].shape, ext.replica_mesh.replicated_sharding, per_device)
 
 
 def per_replica_from_local(strategy: Any, per_device: list, all_rows: Sequence[int] | None = None) -> tuple[jax.Array, np.ndarray | None]:
@@ -514,7 +514,7 @@ def local_slices(value: Any, strategy: Any) -> list:
         value = value._array
     if isinstance(value, jax.Array) and len(value.sharding.device_set) > 1:
         by_device = {s.device: s.data for s in value.addressable_shards}
-        if all(d in by_device for d in ext._local_devices):
-            return [by_device[d] for d in ext._local_devices]
-    return [jax.device_put(value, d) for d in ext._local_devices]
+        if all(d in by_device for d in ext.replica_mesh.local_devices):
+            return [by_device[d] for d in ext.replica_mesh.local_devices]
+    return [jax.device_put(value, d) for d in ext.replica_mesh.local_devices]
 

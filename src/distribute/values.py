@@ -99,7 +99,7 @@ class PerReplica(DistributedValues):
     def __init__(self, values: Sequence[Any]):
         strategy = _context.current_strategy()
         values = [np.asarray(v) if not isinstance(v, jax.Array) else v for v in values]
-        num_local = len(strategy.extended._local_devices)
+        num_local = len(strategy.extended.replica_mesh.local_devices)
         if len(values) != num_local:
             raise ValueError(
                 f"PerReplica got {len(values)} values but the current strategy has "
@@ -109,7 +109,7 @@ class PerReplica(DistributedValues):
         if jax.process_count() > 1 and hasattr(strategy.extended, "_agree_on_shapes"):
             array, lengths = _agree_across_workers(strategy, values, array)
         self._strategy = strategy
-        self._array = strategy.extended._put_per_replica(array)
+        self._array = strategy.extended.replica_mesh.put_per_replica(array)
         self._lengths = lengths
         self._cached_local = None
         self._sum = None
@@ -138,7 +138,7 @@ class PerReplica(DistributedValues):
                 if self._lengths is not None:
                     piece = piece[: int(self._lengths[r])]
                 out.append(piece)
-            assert len(out) == len(ext._local_devices)
+            assert len(out) == len(ext.replica_mesh.local_devices)
             self._cached_local = tuple(out)
         return self._cached_local
 
@@ -154,10 +154,12 @@ class Mirrored(DistributedValues):
 
     def __init__(self, value: Any, strategy: "Strategy | None" = None):
         self._strategy = strategy or _context.current_strategy()
-        self._array = self._strategy.extended._put_replicated(value)
+        if isinstance(value, DistributedValues):
+            raise TypeError(f"Mirrored expects a plain array, got {type(value).__name__}")
+        self._array = self._strategy.extended.replica_mesh.put_replicated(value)
 
     def _local_values(self) -> tuple:
-        return tuple(self._array for _ in self._strategy.extended._local_devices)
+        return tuple(self._array for _ in self._strategy.extended.replica_mesh.local_devices)
 
 
 def stack_padded(values: Sequence[Any]) -> tuple[np.ndarray | jax.Array, np.ndarray | None]:

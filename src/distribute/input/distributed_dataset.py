@@ -138,7 +138,7 @@ class DistributedDataset:
 
         cardinality = ext._dataset_cardinality(dataset)
         spec = lambda: specs.per_replica(
-            specs.split_global(dataset.element_spec, info, num_replicas), len(ext._local_devices), num_replicas)
+            specs.split_global(dataset.element_spec, info, num_replicas), len(ext.replica_mesh.local_devices), num_replicas)
         distributed = cls(strategy, batches, rows, options, cardinality, spec)
         distributed._source = dataset  # Keras fit reads the dataset itself (see keras_support/data_adapter.py)
         return distributed
@@ -146,10 +146,10 @@ class DistributedDataset:
     @classmethod
     def from_function(cls, strategy: Any, dataset_fn: Callable[[InputContext], Any], options: InputOptions | None) -> DistributedDataset:
         ext = strategy.extended
-        num_local = len(ext._local_devices)
+        num_local = len(ext.replica_mesh.local_devices)
         mode = (options or InputOptions()).experimental_replication_mode
         if mode is InputReplicationMode.PER_REPLICA:
-            ids = [ext._devices.index(d) for d in ext._local_devices]
+            ids = [ext.replica_mesh.devices.index(d) for d in ext.replica_mesh.local_devices]
             made = [dataset_fn(InputContext(strategy.num_replicas_in_sync, i, strategy.num_replicas_in_sync)) for i in ids]
         else:
             num_workers, worker_id = ext._input_pipelines()
@@ -274,7 +274,7 @@ class DistributedIterator:
     def _place(self, item: tuple) -> Any:
         stacked, treedef, lengths = item
         ext = self._strategy.extended
-        arrays = ext._put_per_replica_all(stacked)
+        arrays = ext.replica_mesh.put_per_replica_all(stacked)
         values = [PerReplica._from_array(self._strategy, a, lengths) for a in arrays]
         host = getattr(self._codec, "host", None)
         if host:

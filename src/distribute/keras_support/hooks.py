@@ -47,7 +47,6 @@ from distribute._keras import (
 from distribute._keras import patch as _patch
 from distribute.tracing import check_ownership
 
-AXIS = "replica"
 _INSTALLED: list[bool] = []
 _OBJECTS: "weakref.WeakSet[Any]" = weakref.WeakSet()  # optimizers and metrics, to name owners in errors
 
@@ -80,7 +79,7 @@ def _variable_initialize_layout(original):
         strategy = _context.scope_strategy()
         self._distribute_strategy = strategy
         if strategy is not None and self._layout is None:
-            self._layout = strategy.extended._replicated_sharding
+            self._layout = strategy.extended.replica_mesh.replicated_sharding
         return original(self)
 
     return _initialize_layout

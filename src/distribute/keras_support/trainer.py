@@ -29,6 +29,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from distribute.mesh import AXIS
 from distribute import _context
 from distribute import spmd, uneven
 from distribute._keras import JAXTrainer, Trainer, patch, tree
@@ -37,7 +38,6 @@ from distribute.keras_support import steps
 from distribute.keras_support.data_adapter import adapt
 from distribute.tracing import check_ownership
 
-AXIS = "replica"
 
 
 def install() -> None:
@@ -109,7 +109,7 @@ def _split(strategy: Any, data: Any) -> tuple[Any, list[np.ndarray], np.ndarray 
     num_rows, num_replicas = leaves[0].shape[0], strategy.num_replicas_in_sync
     if num_rows % num_replicas == 0:
         stacked, _ = split_batch(leaves, num_replicas, num_rows // num_replicas)
-        return treedef, [strategy.extended._local_rows(x) for x in stacked], None
+        return treedef, [strategy.extended.replica_mesh.local_rows(x) for x in stacked], None
     return treedef, leaves, split_counts(num_rows, num_replicas)
 
 
@@ -219,16 +219,16 @@ class _StepRunner:
         if self.multi_step and steps > 1 and len(split) == steps and all(counts is None and treedef == split[0][0] for treedef, _, counts in split):
             stacked = [_put_steps(self.strategy, np.stack([host[j] for _, host, _ in split])) for j in range(len(split[0][1]))]
             result, state = self._compiled(split[0][0], stacked, steps)(state, stacked)
-            ext._step_dispatched(result)
+            ext.record_dispatch(result)
             return [result], state
         outputs = []
         for treedef, host, counts in split:
             if counts is None:
-                leaves = ext._put_per_replica_all(host)
+                leaves = ext.replica_mesh.put_per_replica_all(host)
                 result, state = self._compiled(treedef, leaves, 1)(state, leaves)
-                ext._step_dispatched(result)
+                ext.record_dispatch(result)
                 if self.per_replica_result:
-                    result = tree.map_structure(lambda o: _rows_in_order(ext._to_host(o)), result)
+                    result = tree.map_structure(lambda o: _rows_in_order(ext.replica_mesh.to_host(o)), result)
             else:
                 result, state = self._run_uneven(treedef, host, counts, state)
             outputs.append(result)
@@ -274,10 +274,10 @@ def _restore_purged(variables: list, state: Any) -> None:
 def _put_steps(strategy: Any, stacked: np.ndarray) -> jax.Array:
     """Places ``(steps, replicas, rows, ...)`` host data, sharded on the replica dim."""
     ext = strategy.extended
-    sharding = NamedSharding(ext._mesh, P(None, AXIS))
+    sharding = NamedSharding(ext.replica_mesh.mesh, P(None, AXIS))
     if jax.process_count() == 1:
         return jax.device_put(stacked, sharding)
-    global_shape = (stacked.shape[0], len(ext._devices), *stacked.shape[2:])
+    global_shape = (stacked.shape[0], len(ext.replica_mesh.devices), *stacked.shape[2:])
     return jax.make_array_from_process_local_data(sharding, stacked, global_shape)
 
 

@@ -1,0 +1,123 @@
+"""ReplicaMesh: a mesh strategy's devices, its one-axis mesh, shardings and host <-> device placement.
+
+Immutable: built once per strategy from its devices (all workers' devices for
+MultiWorkerMirroredStrategy, worker 0's first).  ``AXIS`` is the mesh axis name
+every SPMD program and collective uses.  A PerReplica value is one global array
+``(num_replicas, ...)`` sharded on ``AXIS`` (``per_replica_sharding``); a
+Mirrored value or a variable is one replicated array (``replicated_sharding``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+AXIS = "replica"
+
+_INT32 = np.iinfo(np.int32)
+
+
+class ReplicaMesh:
+    """The devices of a mesh strategy and how values are placed on them.
+
+    Args:
+        devices: every replica's device, in replica order (across workers).
+
+    Attributes:
+        devices: every replica's device; ``local_devices``: this worker's, in
+            replica order; ``mesh``: ``Mesh(devices, ("replica",))``;
+            ``per_replica_sharding`` (``P("replica")``), ``replicated_sharding``
+            (``P()``); ``first_local_replica``: the replica id of this worker's
+            first device.
+    """
+
+    __slots__ = ("devices", "local_devices", "mesh", "per_replica_sharding", "replicated_sharding", "first_local_replica")
+
+    def __init__(self, devices: Sequence[jax.Device]):
+        devices = tuple(devices)
+        mesh = jax.sharding.Mesh(np.array(devices), (AXIS,))
+        process = jax.process_index()
+        local = tuple(d for d in devices if d.process_index == process)
+        for name, value in (
+            ("devices", devices),
+            ("local_devices", local),
+            ("mesh", mesh),
+            ("per_replica_sharding", NamedSharding(mesh, P(AXIS))),
+            ("replicated_sharding", NamedSharding(mesh, P())),
+            ("first_local_replica", devices.index(local[0]) if local else 0),
+        ):
+            object.__setattr__(self, name, value)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(f"ReplicaMesh is immutable; cannot set {name!r}")
+
+    @property
+    def num_replicas(self) -> int:
+        return len(self.devices)
+
+    def put_per_replica(self, stacked: Any) -> jax.Array:
+        """Places a stacked host value as a global per-replica array.
+
+        ``stacked`` is ``(num_local_replicas, ...)``, or ``(num_replicas, ...)``
+        (every replica's row; only this worker's rows are used).
+
+        Raises:
+            ValueError: an int64 value that does not fit int32 without 64-bit mode.
+        """
+        check_integers_fit(stacked)
+        if jax.process_count() == 1:
+            return jax.device_put(stacked, self.per_replica_sharding)
+        stacked = np.asarray(stacked)
+        if stacked.shape[0] == len(self.devices):
+            stacked = self.local_rows(stacked)
+        global_shape = (len(self.devices), *stacked.shape[1:])
+        return jax.make_array_from_process_local_data(self.per_replica_sharding, stacked, global_shape)
+
+    def put_per_replica_all(self, stacked: list) -> list:
+        """``put_per_replica`` of several values, in one transfer call where possible."""
+        if jax.process_count() == 1:
+            for value in stacked:
+                check_integers_fit(value)
+            return jax.device_put(list(stacked), self.per_replica_sharding)
+        return [self.put_per_replica(value) for value in stacked]
+
+    def put_replicated(self, value: Any) -> jax.Array:
+        """Places a host value on every replica (a Mirrored value, a variable)."""
+        check_integers_fit(value)
+        return jax.device_put(value, self.replicated_sharding)
+
+    def local_rows(self, stacked: Any) -> Any:
+        """This worker's rows of a ``(num_replicas, ...)`` host value."""
+        if len(self.local_devices) == len(self.devices):
+            return stacked
+        first = self.first_local_replica
+        return stacked[first : first + len(self.local_devices)]
+
+    def to_host(self, array: Any) -> np.ndarray:
+        """The whole value of a (possibly multi-worker) array as numpy."""
+        if not isinstance(array, jax.Array) or array.is_fully_addressable or array.is_fully_replicated:
+            return np.asarray(array)
+        from jax.experimental import multihost_utils
+
+        return np.asarray(multihost_utils.process_allgather(array, tiled=True))
+
+    def __repr__(self) -> str:
+        return f"ReplicaMesh({len(self.devices)} replicas, {len(self.local_devices)} local)"
+
+
+def check_integers_fit(value: Any) -> None:
+    """64-bit integers become 32-bit on devices unless jax_enable_x64 is set: refuse to lose values."""
+    if not isinstance(value, np.ndarray) or value.dtype not in (np.int64, np.uint64) or not value.size:
+        return
+    if jax.config.jax_enable_x64:
+        return
+    low, high = int(value.min()), int(value.max())
+    if low < _INT32.min or high > _INT32.max:
+        raise ValueError(
+            f"An int64 input holds values in [{low}, {high}], outside int32's range; JAX keeps "
+            "integers in 32 bits unless 64-bit mode is on, so they would be corrupted. Enable it "
+            "before creating arrays: jax.config.update('jax_enable_x64', True)."
+        )
