@@ -9,20 +9,17 @@ function into one SPMD program (see ``tracing.py``).
 
 from __future__ import annotations
 
-import collections
 import contextlib
-import functools
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from distribute import _context
-from distribute.mesh import ReplicaMesh
+from distribute import _context, collectives
+from distribute.extended import StrategyExtended, _require_cross_replica, _sync_on_read_as_per_replica
 from distribute.values import DistributedValues, Mirrored, PerReplica, ReduceOp, is_distributed
 
-_MAX_STEPS_IN_FLIGHT = 2
 
 
 class ValueContext:
@@ -40,164 +37,6 @@ class ValueContext:
             f"ValueContext(replica_id_in_sync_group={self.replica_id_in_sync_group}, "
             f"num_replicas_in_sync={self.num_replicas_in_sync})"
         )
-
-
-class StrategyExtended:
-    """The less common half of a strategy's API (tf.distribute.StrategyExtended).
-
-    A mesh strategy's extended holds ``replica_mesh`` (``mesh.py``: its devices,
-    the one-axis mesh, the shardings of per-replica and mirrored values, and
-    placement), the compiled-program cache and the in-flight bound.
-    """
-
-    def __init__(self, strategy: "Strategy", devices: Sequence[jax.Device]):
-        self._container_strategy = strategy
-        self.replica_mesh = ReplicaMesh(devices)  # devices, mesh, shardings, placement (mesh.py)
-        self.programs: dict = {}  # the compiled programs of run, by function and input signature (tracing.py)
-        # XLA:CPU runs every virtual device's share of a program on one small thread
-        # pool; with many collective programs queued, devices can wait on each
-        # other's rendezvous for ever. On CPU at most _MAX_STEPS_IN_FLIGHT steps are
-        # queued ahead of the host (GPUs and TPUs queue freely).
-        self._in_flight: collections.deque | None = (
-            collections.deque() if len(self.replica_mesh.devices) > 1 and self.replica_mesh.devices[0].platform == "cpu" else None
-        )
-
-    # -- public, as TF --------------------------------------------------------------
-    @property
-    def worker_devices(self) -> tuple[str, ...]:
-        """This worker's devices, as strings (TF: worker_devices)."""
-        return tuple(_device_name(d) for d in self.replica_mesh.local_devices)
-
-    @property
-    def parameter_devices(self) -> tuple[str, ...]:
-        """Devices that hold variables: every replica's (mirrored variables)."""
-        return self.worker_devices
-
-    @property
-    def should_checkpoint(self) -> bool:
-        """Whether this worker should save checkpoints (TF: the chief only)."""
-        return True
-
-    @property
-    def should_save_summary(self) -> bool:
-        """Whether this worker should write summaries (TF: the chief only)."""
-        return True
-
-    @property
-    def should_init(self) -> bool:
-        """Whether this worker should initialize variables (always: variables are mirrored)."""
-        return True
-
-    def variable_created_in_scope(self, v: Any) -> bool:
-        """True when Keras variable ``v`` was created inside this strategy's scope.
-
-        Matches TF's ``StrategyExtended.variable_created_in_scope`` (for the default
-        strategy: created outside every scope).
-        """
-        return self._owns(v)
-
-    def _owns(self, obj: Any) -> bool:
-        """Whether ``obj`` (a Keras variable, optimizer or metric) was made in this strategy's scope."""
-        owner = getattr(obj, "_distribute_strategy", None)
-        if owner is None:
-            return isinstance(self._container_strategy, _DefaultStrategy)
-        return owner is self._container_strategy
-
-    @contextlib.contextmanager
-    def colocate_vars_with(self, colocate_with_variable: Any) -> Iterator[None]:
-        """Places new variables with ``colocate_with_variable``.
-
-        Every variable is mirrored on every replica here, so this changes nothing;
-        it exists so TF code runs unchanged.
-        """
-        yield
-
-    def reduce_to(self, reduce_op: ReduceOp | str, value: Any, destinations: Any = None, options: Any = None) -> Any:
-        """Reduces ``value`` across replicas to ``destinations`` (TF: reduce_to).
-
-        Shapes: per-replica ``s`` -> ``s``.  As TF: a distributed ``value`` with
-        distributed (or no) ``destinations`` gives a Mirrored value; a device
-        name as ``destinations`` gives a plain array; a non-distributed value
-        gives a plain array (MEAN; SUM raises ValueError, as ``reduce``); the
-        default strategy always gives a plain array (``float()`` works).
-
-        Raises:
-            ValueError: unknown op, or SUM of a non-distributed value with more than one replica.
-        """
-        strategy = self._container_strategy
-        value = _sync_on_read_as_per_replica(value)
-        reduced = strategy.reduce(reduce_op, value, axis=None)
-        if isinstance(strategy, _DefaultStrategy) or not isinstance(value, DistributedValues) or isinstance(destinations, (str, jax.Device)):
-            return reduced
-        return Mirrored(reduced, strategy)
-
-    def batch_reduce_to(self, reduce_op: ReduceOp | str, value_destination_pairs: Sequence, options: Any = None) -> list:
-        """``reduce_to`` of each ``(value, destinations)`` pair.
-
-        As TF's MirroredStrategy, every distributed value gives a Mirrored value
-        here, whatever its destinations; the default strategy gives plain arrays.
-        """
-        out = []
-        for value, destinations in value_destination_pairs:
-            value = _sync_on_read_as_per_replica(value)
-            reduced = self.reduce_to(reduce_op, value, None if isinstance(value, DistributedValues) else destinations, options)
-            out.append(reduced)
-        return out
-
-    def update(self, var: Any, fn: Callable, args: Sequence = (), kwargs: dict | None = None, group: bool = True) -> Any:
-        """Runs ``fn(var, *args, **kwargs)`` to update a mirrored variable in cross-replica context.
-
-        Every replica holds the same (replicated) array, so one call updates all
-        copies.  Raises RuntimeError inside ``run`` (TF requires cross-replica
-        context here).
-        """
-        _require_cross_replica("extended.update", "update the variable from the replica function with var.assign(...)")
-        return fn(var, *args, **(kwargs or {}))
-
-    # -- internal ---------------------------------------------------------------------
-    def record_dispatch(self, outputs: Any) -> None:
-        """Records a dispatched program (a step, a reduce, a gather); waits for an older
-        one when too many are queued (CPU only).
-
-        ``outputs``: arrays the program produces that no later program donates.
-        """
-        if self._in_flight is None:
-            return
-        self._in_flight.append(outputs)
-        if len(self._in_flight) > _MAX_STEPS_IN_FLIGHT:
-            oldest = [a for a in jax.tree_util.tree_leaves(self._in_flight.popleft()) if isinstance(a, jax.Array) and not a.is_deleted()]
-            jax.block_until_ready(oldest)
-
-    def _input_pipelines(self) -> tuple[int, int]:
-        """(number of input pipelines, this worker's pipeline id): one per worker."""
-        return 1, 0
-
-    def _shard_dataset(self, dataset: Any) -> Any:
-        """This worker's share of a dataset (all of it with one worker)."""
-        return dataset
-
-    def _dataset_batches(self, dataset: Any, rows_per_replica: int) -> Iterator[tuple[list, Any, np.ndarray | None]]:
-        """This worker's batches of a globally batched dataset, split between its replicas.
-
-        Yields ``(stacked, treedef, lengths)``: arrays ``(num_local_replicas,
-        rows_per_replica, ...)``, the element structure, and the real row count of
-        every replica in the job (None when nothing is padded).
-        """
-        from distribute.input.splitting import split_batch
-
-        num_local = len(self.replica_mesh.local_devices)
-        for element in self._shard_dataset(dataset):
-            leaves, treedef = jax.tree_util.tree_flatten(element)
-            stacked, lengths = split_batch(leaves, num_local, rows_per_replica)
-            yield stacked, treedef, lengths
-
-    def _dataset_cardinality(self, dataset: Any) -> int:
-        """Steps in one pass of ``experimental_distribute_dataset(dataset)``."""
-        return dataset.cardinality()
-
-    def _agree(self, batches: Iterator[tuple[list, Any, np.ndarray | None]]) -> Iterator[tuple[list, Any, np.ndarray | None]]:
-        """Makes every worker take the same number of steps (one worker: nothing to agree on)."""
-        return batches
 
 
 class Strategy:
@@ -406,7 +245,7 @@ class Strategy:
     def _reduce_one(self, op: ReduceOp, value: Any, axis: int | None) -> Any:
         mirrored_variable = getattr(value, "_distribute_strategy", None) is self and hasattr(value, "value")
         if isinstance(value, Mirrored) or mirrored_variable:
-            reduced = _reduce_plain(op, value.value if mirrored_variable else value._array, axis)
+            reduced = collectives.reduce_plain(op, value.value if mirrored_variable else value._array, axis)
             return reduced * self.num_replicas_in_sync if op is ReduceOp.SUM else reduced
         if not isinstance(value, PerReplica):
             if op is ReduceOp.SUM and axis is None and self.num_replicas_in_sync > 1:
@@ -416,116 +255,18 @@ class Strategy:
                     "would count it once per replica. Reduce a PerReplica value (the "
                     "output of strategy.run), or use ReduceOp.MEAN."
                 )
-            reduced = _reduce_plain(op, jnp.asarray(value), axis)
+            reduced = collectives.reduce_plain(op, jnp.asarray(value), axis)
             # TF counts a plain value once per replica when an axis is reduced too.
             return reduced * self.num_replicas_in_sync if op is ReduceOp.SUM else reduced
-        return _reduce_per_replica(op, value, axis)
+        return collectives.reduce_per_replica(op, value, axis)
 
     def _gather_one(self, value: Any, axis: int) -> Any:
         if isinstance(value, PerReplica):
-            return _gather_per_replica(value, axis)
+            return collectives.gather_per_replica(value, axis)
         if isinstance(value, Mirrored):
             return jnp.concatenate([value._array] * self.num_replicas_in_sync, axis=axis)
         # A plain value comes back unchanged, as in TF 2.21.
         return jnp.asarray(value)
-
-
-def _sync_on_read_as_per_replica(value: Any) -> Any:
-    """SyncOnRead variables in ``value`` as PerReplica values of their copies (TF: they are DistributedValues)."""
-    from distribute import sync_on_read
-
-    return jax.tree_util.tree_map(sync_on_read.as_per_replica, value, is_leaf=is_distributed)
-
-
-def _reduce_plain(op: ReduceOp, value: jax.Array, axis: int | None) -> jax.Array:
-    if axis is None:
-        return value
-    return jnp.sum(value, axis=axis) if op is ReduceOp.SUM else jnp.mean(value, axis=axis)
-
-
-def _check_axis(axis: int, ndim: int) -> int:
-    if not -ndim <= axis < ndim:
-        raise ValueError(f"axis {axis} is out of range for per-replica values of rank {ndim}.")
-    return axis % ndim
-
-
-def _without_uniform_padding(value: PerReplica) -> tuple[jax.Array, np.ndarray | None]:
-    """The backing array and lengths, with padding cut off when every replica has the same real rows."""
-    array, lengths = value._array, value._lengths
-    if lengths is not None and len(set(lengths.tolist())) == 1:
-        return array[:, : int(lengths[0])], None
-    return array, lengths
-
-
-def _reduce_per_replica(op: ReduceOp, value: PerReplica, axis: int | None) -> jax.Array:
-    if axis is None and value._sum is not None:
-        # Summed in the step's program already; one device's copy, as TF returns a
-        # reduced value on one device (so `total += loss` is a one-device op).
-        total = value._sum.addressable_shards[0].data
-        return total if op is ReduceOp.SUM else total / value._array.shape[0]
-    array, lengths = _without_uniform_padding(value)
-    ndim = array.ndim - 1
-    if axis is None:
-        if lengths is not None:
-            raise ValueError(
-                f"Per-replica values have different batch sizes {lengths.tolist()}, so "
-                "they cannot be combined element-wise (axis=None). Pass axis=0 to reduce "
-                "the batch dim too."
-            )
-        return _jit_reduce_replicas(op.value, array)
-    axis = _check_axis(axis, ndim)
-    if lengths is not None and axis == 0:
-        rows = _gather_per_replica(value, 0)
-        return jnp.sum(rows, axis=0) if op is ReduceOp.SUM else jnp.mean(rows, axis=0)
-    if lengths is not None:
-        raise ValueError(
-            f"Per-replica values have different batch sizes {lengths.tolist()}; reducing "
-            f"axis {axis} would leave differently shaped values. Reduce axis 0 as well."
-        )
-    return _jit_reduce_axis(op.value, array, axis + 1)
-
-
-@functools.partial(jax.jit, static_argnums=(0,))
-def _jit_reduce_replicas(op: str, array: jax.Array) -> jax.Array:
-    return jnp.sum(array, axis=0) if op == "SUM" else jnp.mean(array, axis=0)
-
-
-@functools.partial(jax.jit, static_argnums=(0, 2))
-def _jit_reduce_axis(op: str, array: jax.Array, axis: int) -> jax.Array:
-    reduced = jnp.sum(array, axis=(0, axis))
-    if op == "MEAN":
-        reduced = reduced / (array.shape[0] * array.shape[axis])
-    return reduced
-
-
-def _gather_per_replica(value: PerReplica, axis: int) -> jax.Array:
-    array, lengths = _without_uniform_padding(value)
-    ndim = array.ndim - 1
-    if ndim == 0:
-        raise ValueError("strategy.gather needs per-replica values of rank >= 1; got scalars. Use reduce, or expand dims first.")
-    axis = _check_axis(axis, ndim)
-    if lengths is not None:
-        if axis != 0:
-            raise ValueError(
-                f"Per-replica values have different batch sizes {lengths.tolist()}; they "
-                f"can be gathered along axis 0 only, not axis {axis}."
-            )
-        if axis == 0:
-            rows = array.shape[1]
-            index = np.concatenate([r * rows + np.arange(n) for r, n in enumerate(lengths.tolist())]).astype(np.int32)
-            return _jit_take_rows(array, index)
-    return _jit_concat(array, axis)
-
-
-@jax.jit
-def _jit_take_rows(array: jax.Array, index: jax.Array) -> jax.Array:
-    flat = array.reshape((array.shape[0] * array.shape[1], *array.shape[2:]))
-    return jnp.take(flat, index, axis=0)
-
-
-@functools.partial(jax.jit, static_argnums=(1,))
-def _jit_concat(array: jax.Array, axis: int) -> jax.Array:
-    return jnp.concatenate([array[r] for r in range(array.shape[0])], axis=axis)
 
 
 def _check_reduce_axis(axis: Any) -> None:
@@ -541,19 +282,6 @@ def _check_run_args(args: Any, kwargs: Any) -> None:
         )
     if kwargs is not None and not isinstance(kwargs, dict):
         raise ValueError(f"strategy.run: kwargs must be a dict, got {type(kwargs).__name__}.")
-
-
-def _require_cross_replica(what: str, fix: str) -> None:
-    if _context.current_replica_context() is not None:
-        raise RuntimeError(
-            f"{what} may only be called in cross-replica context (outside strategy.run); "
-            f"it was called inside the replica function. Inside run, {fix} instead."
-        )
-
-
-def _device_name(device: jax.Device) -> str:
-    kind = {"cpu": "CPU", "gpu": "GPU", "tpu": "TPU"}.get(device.platform, device.platform.upper())
-    return f"/job:localhost/replica:0/task:{device.process_index}/device:{kind}:{device.id}"
 
 
 # -- the default strategy -----------------------------------------------------------------
@@ -588,7 +316,7 @@ class _DefaultStrategy(Strategy):
         op = ReduceOp.from_value(reduce_op)
         _check_reduce_axis(axis)
         return jax.tree_util.tree_map(
-            lambda v: _reduce_plain(op, jnp.asarray(v.values[0] if is_distributed(v) else v), axis),
+            lambda v: collectives.reduce_plain(op, jnp.asarray(v.values[0] if is_distributed(v) else v), axis),
             value,
             is_leaf=is_distributed,
         )
