@@ -7,6 +7,7 @@ A PerReplica value is one ``(replicas, ...)`` array; when its replicas' rows dif
 from __future__ import annotations
 
 import functools
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -104,3 +105,134 @@ def _jit_take_rows(array: jax.Array, index: jax.Array) -> jax.Array:
 @functools.partial(jax.jit, static_argnums=(1,))
 def _jit_concat(array: jax.Array, axis: int) -> jax.Array:
     return jnp.concatenate([array[r] for r in range(array.shape[0])], axis=axis)
+
+
+# -- collectives of the uneven step, over the mesh (every worker makes the same calls) ----------
+def global_from_local(strategy: Any, values: list) -> jax.Array:
+    """A ``(replicas, ...)`` array sharded on the mesh from this worker's per-device values."""
+    ext = strategy.extended
+    shards = [jax.device_put(jnp.asarray(v)[None], d) for v, d in zip(values, ext.replica_mesh.local_devices)]
+    shape = (len(ext.replica_mesh.devices), *shards[0].shape[1:])
+    return jax.make_array_from_single_device_arrays(shape, ext.replica_mesh.per_replica_sharding, shards)
+
+
+def per_local_device(strategy: Any, array: jax.Array) -> list:
+    by_device = {s.device: s.data for s in array.addressable_shards}
+    return [by_device[d] for d in strategy.extended.replica_mesh.local_devices]
+
+
+@functools.lru_cache(maxsize=None)
+def sum_program(sharding: Any) -> Callable:
+    return jax.jit(lambda arrays: [jnp.sum(a, axis=0) for a in arrays], out_shardings=sharding)
+
+
+@functools.lru_cache(maxsize=None)
+def all_program(sharding: Any) -> Callable:
+    return jax.jit(lambda arrays: list(arrays), out_shardings=sharding)
+
+
+def sum_over_replicas(strategy: Any, columns: list[list]) -> list[list]:
+    """``columns[i]``: this worker's per-device values of leaf ``i`` -> per local device, the sums."""
+    if not columns:
+        return [[] for _ in strategy.extended.replica_mesh.local_devices]
+    ext = strategy.extended
+    for every in shapes_everywhere(strategy, columns, "an all_reduce of an uneven step"):
+        shapes, dtypes = sorted({shape for shape, _ in every}), sorted({dtype for _, dtype in every})
+        if len(shapes) > 1 or len(dtypes) > 1:
+            raise ValueError(
+                f"all_reduce got values of shapes {shapes} (dtypes {dtypes}) on different replicas; every "
+                "replica must pass a value of the same shape and dtype (reduce the batch dim first, e.g. "
+                "with a sum over axis 0)."
+            )
+    totals = sum_program(ext.replica_mesh.replicated_sharding)([global_from_local(strategy, col) for col in columns])
+    per_leaf = [per_local_device(strategy, t) for t in totals]
+    return [list(per_device) for per_device in zip(*per_leaf)]
+
+
+def everyone(strategy: Any, columns: list[list]) -> list[np.ndarray]:
+    """Every replica's (equal-shaped) values of each leaf, on the host: ``(replicas, ...)`` each."""
+    ext = strategy.extended
+    gathered = all_program(ext.replica_mesh.replicated_sharding)([global_from_local(strategy, col) for col in columns])
+    return [np.asarray(g) for g in gathered]
+
+
+def shapes_everywhere(strategy: Any, columns: list[list], what: str) -> list[list[tuple]]:
+    """Per leaf, every replica's ``(shape, dtype)`` in the job, in replica order.
+
+    With several workers they are exchanged through the coordination service
+    first (``MultiWorkerExtended._agree_on_shapes``), so a mismatch between
+    workers raises the same ValueError on every worker instead of reaching a
+    device collective (gloo aborts a process on mismatched sizes).
+    """
+    local = [[[list(jnp.shape(v)), str(jnp.result_type(v))] for v in col] for col in columns]
+    per_worker = [local] if jax.process_count() == 1 else strategy.extended._agree_on_shapes(local, what)
+    return [[(tuple(shape), dtype) for worker in per_worker for shape, dtype in worker[i]] for i in range(len(columns))]
+
+
+def gather_over_replicas(strategy: Any, columns: list[list], axis: int) -> list[list]:
+    """Concatenates every replica's value of each leaf along ``axis``; sizes along it may differ."""
+    ext = strategy.extended
+    out_columns = []
+    for col, every in zip(columns, shapes_everywhere(strategy, columns, "an all_gather of an uneven step")):
+        shapes = [shape for shape, _ in every]
+        if len({len(shape) for shape in shapes}) > 1 or len({dtype for _, dtype in every}) > 1:
+            raise ValueError(
+                f"all_gather got values of shapes {sorted(set(shapes))} (dtypes {sorted({d for _, d in every})}) on "
+                "different replicas: their ranks and dtypes must be equal; only the gathered axis may differ."
+            )
+        ndim = len(shapes[0])
+        ax = axis % ndim
+        others = {shape[:ax] + shape[ax + 1 :] for shape in shapes}
+        sizes = np.array([shape[ax] for shape in shapes], np.int32)
+        if len(others) > 1:
+            raise ValueError(
+                f"all_gather along axis {axis} got values whose other dims differ between replicas "
+                f"({sorted(others)}); only the gathered axis may differ."
+            )
+        width = max(int(sizes.max()), 0)
+        padded = [jnp.concatenate([v, jnp.zeros(v.shape[:ax] + (width - v.shape[ax],) + v.shape[ax + 1 :], v.dtype)], axis=ax) for v in col]
+        gathered = everyone(strategy, [padded])[0]
+        pieces = [np.take(gathered[r], np.arange(int(n)), axis=ax) for r, n in enumerate(sizes.tolist())]
+        whole = np.concatenate(pieces, axis=ax)
+        out_columns.append([jax.device_put(whole, d) for d in ext.replica_mesh.local_devices])
+    return [list(per_device) for per_device in zip(*out_columns)]
+
+
+
+def replicated_from_local(strategy: Any, per_device: list) -> jax.Array:
+    """One replicated array from this worker's identical per-device copies."""
+    ext = strategy.extended
+    per_device = [jax.device_put(jnp.asarray(v), d) for v, d in zip(per_device, ext.replica_mesh.local_devices)]
+    return jax.make_array_from_single_device_arrays(per_device[0].shape, ext.replica_mesh.replicated_sharding, per_device)
+
+
+def per_replica_from_local(strategy: Any, per_device: list, all_rows: Sequence[int] | None = None) -> tuple[jax.Array, np.ndarray | None]:
+    """A ``(replicas, rows, ...)`` array and the real row counts (None when equal) from per-device values.
+
+    ``all_rows``: every replica's dim 0 in the job (needed with several workers).
+    """
+    per_device = [jnp.asarray(v) for v in per_device]
+    shapes = {v.shape for v in per_device}
+    if all_rows is None:
+        all_rows = [v.shape[0] if v.ndim else None for v in per_device]
+    if len(shapes) == 1 and len(set(all_rows)) == 1:
+        return global_from_local(strategy, per_device), None
+    width = max(all_rows)
+    padded = [jnp.concatenate([v, jnp.zeros((width - v.shape[0], *v.shape[1:]), v.dtype)]) for v in per_device]
+    return global_from_local(strategy, padded), np.asarray(all_rows, np.int64)
+
+
+def local_slices(value: Any, strategy: Any) -> list:
+    """This worker's per-replica components of an input leaf, each on its replica's device."""
+    from distribute.values import Mirrored, PerReplica
+
+    ext = strategy.extended
+    if isinstance(value, PerReplica):
+        return list(value.values)
+    if isinstance(value, Mirrored):
+        value = value._array
+    if isinstance(value, jax.Array) and len(value.sharding.device_set) > 1:
+        by_device = {s.device: s.data for s in value.addressable_shards}
+        if all(d in by_device for d in ext.replica_mesh.local_devices):
+            return [by_device[d] for d in ext.replica_mesh.local_devices]
+    return [jax.device_put(value, d) for d in ext.replica_mesh.local_devices]

@@ -36,7 +36,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from distribute.mesh import AXIS
-from distribute import _context, spmd, sync_on_read, uneven
+from distribute import _context, collectives, spmd, sync_on_read, uneven
 from distribute._keras import KerasVariable, StatelessScope, initialize_all_variables
 from distribute.values import DistributedValues, Mirrored, PerReplica
 
@@ -312,7 +312,7 @@ def _run_uneven(strategy, fn, treedef, kinds, dynamic, statics, key, lengths) ->
         replicated = [_place(_array_of(d), ext.replica_mesh.replicated_sharding) for d, k in zip(dynamic, _dynamic_kinds(kinds)) if k == _REPLICATED]
         program = _compile(strategy, fn, treedef, kinds, statics, padded, replicated, compile_program=False)
         ext.programs[discovery_key] = program
-    slices = [uneven.local_slices(d, strategy) for d in dynamic]
+    slices = [collectives.local_slices(d, strategy) for d in dynamic]
     known = program.read_vars + program.write_vars
     multi_process = jax.process_count() > 1
 
@@ -350,10 +350,10 @@ def _run_uneven(strategy, fn, treedef, kinds, dynamic, statics, key, lengths) ->
         )
     for i, var in enumerate(written):
         if sync_on_read.tracked(var):  # (this replica's copy, the aggregate) from each replica
-            copies, _ = uneven.per_replica_from_local(strategy, [r[1][i][0] for r in results])
-            sync_on_read.store(var, uneven.replicated_from_local(strategy, [r[1][i][1] for r in results]), copies)
+            copies, _ = collectives.per_replica_from_local(strategy, [r[1][i][0] for r in results])
+            sync_on_read.store(var, collectives.replicated_from_local(strategy, [r[1][i][1] for r in results]), copies)
         else:
-            var._value = uneven.replicated_from_local(strategy, [r[1][i] for r in results])
+            var._value = collectives.replicated_from_local(strategy, [r[1][i] for r in results])
     outputs = []
     for j in range(len(results[0][3])):
         values = [r[3][j] for r in results]
@@ -363,7 +363,7 @@ def _run_uneven(strategy, fn, treedef, kinds, dynamic, statics, key, lengths) ->
         rows = None if all_rows is None else [int(n) for n in np.asarray(all_rows)[:, j]]
         if rows is not None and rows[0] < 0:
             rows = None
-        array, lengths_out = uneven.per_replica_from_local(strategy, values, rows)
+        array, lengths_out = collectives.per_replica_from_local(strategy, values, rows)
         outputs.append(PerReplica._from_array(strategy, array, lengths_out))
     return jax.tree_util.tree_unflatten(out_tree, outputs)
 

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import functools
 import threading
 import time
 from typing import Any, Callable, Iterator, Sequence
@@ -35,7 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from distribute import _context
+from distribute import _context, collectives
 from distribute.replica import ReplicaContext
 from distribute.values import ReduceOp
 
@@ -204,7 +203,7 @@ class ThreadedReplicaContext(ReplicaContext):
         leaves = [jnp.asarray(x) for x in leaves]
 
         def combine(per_replica: list) -> list:
-            return _sum_over_replicas(strategy, [list(col) for col in zip(*per_replica)])
+            return collectives.sum_over_replicas(strategy, [list(col) for col in zip(*per_replica)])
 
         return jax.tree_util.tree_unflatten(treedef, self._meet(leaves, combine, "all_reduce"))
 
@@ -218,7 +217,7 @@ class ThreadedReplicaContext(ReplicaContext):
         leaves, treedef = jax.tree_util.tree_flatten(tree)
 
         def combine(per_replica: list) -> list:
-            every = _everyone(strategy, [list(col) for col in zip(*per_replica)])
+            every = collectives.everyone(strategy, [list(col) for col in zip(*per_replica)])
             return [every] * len(per_replica)
 
         return jax.tree_util.tree_unflatten(treedef, self._meet([jnp.asarray(x) for x in leaves], combine, "exchange"))
@@ -230,7 +229,7 @@ class ThreadedReplicaContext(ReplicaContext):
         leaves = [jnp.asarray(x) for x in leaves]
 
         def combine(per_replica: list) -> list:
-            return _gather_over_replicas(strategy, [list(col) for col in zip(*per_replica)], axis)
+            return collectives.gather_over_replicas(strategy, [list(col) for col in zip(*per_replica)], axis)
 
         return jax.tree_util.tree_unflatten(treedef, self._meet(leaves, combine, "all_gather"))
 
@@ -336,97 +335,6 @@ def _differentiable_gather(context: ThreadedReplicaContext, axis: int) -> Callab
     return gather
 
 
-# -- collectives over the mesh ------------------------------------------------------------
-def _global_from_local(strategy: Any, values: list) -> jax.Array:
-    """A ``(replicas, ...)`` array sharded on the mesh from this worker's per-device values."""
-    ext = strategy.extended
-    shards = [jax.device_put(jnp.asarray(v)[None], d) for v, d in zip(values, ext.replica_mesh.local_devices)]
-    shape = (len(ext.replica_mesh.devices), *shards[0].shape[1:])
-    return jax.make_array_from_single_device_arrays(shape, ext.replica_mesh.per_replica_sharding, shards)
-
-
-def _per_local_device(strategy: Any, array: jax.Array) -> list:
-    by_device = {s.device: s.data for s in array.addressable_shards}
-    return [by_device[d] for d in strategy.extended.replica_mesh.local_devices]
-
-
-@functools.lru_cache(maxsize=None)
-def _sum_program(sharding: Any) -> Callable:
-    return jax.jit(lambda arrays: [jnp.sum(a, axis=0) for a in arrays], out_shardings=sharding)
-
-
-@functools.lru_cache(maxsize=None)
-def _all_program(sharding: Any) -> Callable:
-    return jax.jit(lambda arrays: list(arrays), out_shardings=sharding)
-
-
-def _sum_over_replicas(strategy: Any, columns: list[list]) -> list[list]:
-    """``columns[i]``: this worker's per-device values of leaf ``i`` -> per local device, the sums."""
-    if not columns:
-        return [[] for _ in strategy.extended.replica_mesh.local_devices]
-    ext = strategy.extended
-    for every in _shapes_everywhere(strategy, columns, "an all_reduce of an uneven step"):
-        shapes, dtypes = sorted({shape for shape, _ in every}), sorted({dtype for _, dtype in every})
-        if len(shapes) > 1 or len(dtypes) > 1:
-            raise ValueError(
-                f"all_reduce got values of shapes {shapes} (dtypes {dtypes}) on different replicas; every "
-                "replica must pass a value of the same shape and dtype (reduce the batch dim first, e.g. "
-                "with a sum over axis 0)."
-            )
-    totals = _sum_program(ext.replica_mesh.replicated_sharding)([_global_from_local(strategy, col) for col in columns])
-    per_leaf = [_per_local_device(strategy, t) for t in totals]
-    return [list(per_device) for per_device in zip(*per_leaf)]
-
-
-def _everyone(strategy: Any, columns: list[list]) -> list[np.ndarray]:
-    """Every replica's (equal-shaped) values of each leaf, on the host: ``(replicas, ...)`` each."""
-    ext = strategy.extended
-    gathered = _all_program(ext.replica_mesh.replicated_sharding)([_global_from_local(strategy, col) for col in columns])
-    return [np.asarray(g) for g in gathered]
-
-
-def _shapes_everywhere(strategy: Any, columns: list[list], what: str) -> list[list[tuple]]:
-    """Per leaf, every replica's ``(shape, dtype)`` in the job, in replica order.
-
-    With several workers they are exchanged through the coordination service
-    first (``MultiWorkerExtended._agree_on_shapes``), so a mismatch between
-    workers raises the same ValueError on every worker instead of reaching a
-    device collective (gloo aborts a process on mismatched sizes).
-    """
-    local = [[[list(jnp.shape(v)), str(jnp.result_type(v))] for v in col] for col in columns]
-    per_worker = [local] if jax.process_count() == 1 else strategy.extended._agree_on_shapes(local, what)
-    return [[(tuple(shape), dtype) for worker in per_worker for shape, dtype in worker[i]] for i in range(len(columns))]
-
-
-def _gather_over_replicas(strategy: Any, columns: list[list], axis: int) -> list[list]:
-    """Concatenates every replica's value of each leaf along ``axis``; sizes along it may differ."""
-    ext = strategy.extended
-    out_columns = []
-    for col, every in zip(columns, _shapes_everywhere(strategy, columns, "an all_gather of an uneven step")):
-        shapes = [shape for shape, _ in every]
-        if len({len(shape) for shape in shapes}) > 1 or len({dtype for _, dtype in every}) > 1:
-            raise ValueError(
-                f"all_gather got values of shapes {sorted(set(shapes))} (dtypes {sorted({d for _, d in every})}) on "
-                "different replicas: their ranks and dtypes must be equal; only the gathered axis may differ."
-            )
-        ndim = len(shapes[0])
-        ax = axis % ndim
-        others = {shape[:ax] + shape[ax + 1 :] for shape in shapes}
-        sizes = np.array([shape[ax] for shape in shapes], np.int32)
-        if len(others) > 1:
-            raise ValueError(
-                f"all_gather along axis {axis} got values whose other dims differ between replicas "
-                f"({sorted(others)}); only the gathered axis may differ."
-            )
-        width = max(int(sizes.max()), 0)
-        padded = [jnp.concatenate([v, jnp.zeros(v.shape[:ax] + (width - v.shape[ax],) + v.shape[ax + 1 :], v.dtype)], axis=ax) for v in col]
-        gathered = _everyone(strategy, [padded])[0]
-        pieces = [np.take(gathered[r], np.arange(int(n)), axis=ax) for r, n in enumerate(sizes.tolist())]
-        whole = np.concatenate(pieces, axis=ax)
-        out_columns.append([jax.device_put(whole, d) for d in ext.replica_mesh.local_devices])
-    return [list(per_device) for per_device in zip(*out_columns)]
-
-
 # -- running the threads -------------------------------------------------------------------
 def run_replicas(strategy: Any, body: Callable[[ThreadedReplicaContext], Any], rows: Sequence[int] | None) -> list:
     """Runs ``body(context)`` once per local replica, each in its own thread, and returns the results.
@@ -478,43 +386,3 @@ def run_replicas(strategy: Any, body: Callable[[ThreadedReplicaContext], Any], r
     if any(errors):  # pragma: no cover - an abort always has a cause
         raise RuntimeError("an uneven step was aborted without an error")
     return results
-
-
-def replicated_from_local(strategy: Any, per_device: list) -> jax.Array:
-    """One replicated array from this worker's identical per-device copies."""
-    ext = strategy.extended
-    per_device = [jax.device_put(jnp.asarray(v), d) for v, d in zip(per_device, ext.replica_mesh.local_devices)]
-    return jax.make_array_from_single_device_arrays(per_device[0].shape, ext.replica_mesh.replicated_sharding, per_device)
-
-
-def per_replica_from_local(strategy: Any, per_device: list, all_rows: Sequence[int] | None = None) -> tuple[jax.Array, np.ndarray | None]:
-    """A ``(replicas, rows, ...)`` array and the real row counts (None when equal) from per-device values.
-
-    ``all_rows``: every replica's dim 0 in the job (needed with several workers).
-    """
-    per_device = [jnp.asarray(v) for v in per_device]
-    shapes = {v.shape for v in per_device}
-    if all_rows is None:
-        all_rows = [v.shape[0] if v.ndim else None for v in per_device]
-    if len(shapes) == 1 and len(set(all_rows)) == 1:
-        return _global_from_local(strategy, per_device), None
-    width = max(all_rows)
-    padded = [jnp.concatenate([v, jnp.zeros((width - v.shape[0], *v.shape[1:]), v.dtype)]) for v in per_device]
-    return _global_from_local(strategy, padded), np.asarray(all_rows, np.int64)
-
-
-def local_slices(value: Any, strategy: Any) -> list:
-    """This worker's per-replica components of an input leaf, each on its replica's device."""
-    from distribute.values import Mirrored, PerReplica
-
-    ext = strategy.extended
-    if isinstance(value, PerReplica):
-        return list(value.values)
-    if isinstance(value, Mirrored):
-        value = value._array
-    if isinstance(value, jax.Array) and len(value.sharding.device_set) > 1:
-        by_device = {s.device: s.data for s in value.addressable_shards}
-        if all(d in by_device for d in ext.replica_mesh.local_devices):
-            return [by_device[d] for d in ext.replica_mesh.local_devices]
-    return [jax.device_put(value, d) for d in ext.replica_mesh.local_devices]
-

@@ -30,7 +30,7 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from distribute.mesh import AXIS
-from distribute import _context
+from distribute import _context, collectives
 from distribute import spmd, uneven
 from distribute._keras import JAXTrainer, Trainer, patch, tree
 from distribute.input.splitting import split_batch, split_counts
@@ -239,7 +239,7 @@ class _StepRunner:
         strategy, step = self.strategy, self._step(treedef)
         starts = np.concatenate([[0], np.cumsum(counts)])
         state_leaves, state_tree = jax.tree_util.tree_flatten(state)
-        local_state = [uneven.local_slices(x, strategy) for x in state_leaves]
+        local_state = [collectives.local_slices(x, strategy) for x in state_leaves]
 
         def body(context):
             r, local = context._replica, context._local
@@ -253,7 +253,7 @@ class _StepRunner:
 
         results = uneven.run_replicas(strategy, body, counts.tolist())
         new_state = [jax.tree_util.tree_leaves(new) for _, new in results]
-        state = jax.tree_util.tree_unflatten(state_tree, [uneven.replicated_from_local(strategy, list(parts)) for parts in zip(*new_state)])
+        state = jax.tree_util.tree_unflatten(state_tree, [collectives.replicated_from_local(strategy, list(parts)) for parts in zip(*new_state)])
         if self.per_replica_result:
             return tree.map_structure(np.asarray, results[0][0]), state
         return results[0][0], state
