@@ -127,7 +127,9 @@ def test_grace_period_saves_twice_and_trains_on_until_it_ends(tmp_path, referenc
         job.train(mirrored(2), str(tmp_path), config, sleep_seconds=0.01, on_run=sigterm_at(5, seen))
     final_run = seen["handler"].total_run_calls
     assert saved_runs(tmp_path) == {"ckpt-2": final_run}
-    assert 6 + 5 < final_run < NUM_RUNS  # trained on during the grace period, after the first save at run 6
+    # Trained on during the grace period, after the first save at run 6 (how many runs fit in the
+    # grace period depends on the machine's speed: at least one).
+    assert 6 < final_run < NUM_RUNS
     assert time.monotonic() - started < 30
     result = job.train(mirrored(2), str(tmp_path), config)
     assert_same_result(result, reference)
