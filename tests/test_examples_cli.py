@@ -90,6 +90,8 @@ def test_main_job_reads_an_mnist_npz(tmp_path):
         (["--global-batch-size", "x"], "invalid int value: 'x'"),
         (["--learning-rate", "nan"], "--learning-rate nan"),
         (["--bogus"], "unrecognized arguments: --bogus"),
+        (["--num-workers", "2"], "--num-workers 2 needs --strategy parameter_server"),
+        (["--strategy", "parameter_server", "--mode", "custom", "--num-ps", "0"], "--num-ps 0: must be at least 1"),
     ],
 )
 def test_main_job_bad_flags_exit_2_with_one_line(tmp_path, args, needle):
@@ -106,7 +108,7 @@ def test_main_job_help_documents_every_flag(tmp_path):
     assert result.returncode == 0, result.stderr
     text = " ".join(result.stdout.split())
     options = text.split("options:")[1]
-    flags = ["--strategy", "--replicas", "--epochs", "--global-batch-size", "--learning-rate", "--mode", "--seed",
+    flags = ["--strategy", "--replicas", "--num-workers", "--num-ps", "--epochs", "--global-batch-size", "--learning-rate", "--mode", "--seed",
              "--data", "--output", "--verbose"]
     for flag, following in zip(flags, flags[1:] + [None]):
         section = options.split(flag, 1)[1]
@@ -114,6 +116,7 @@ def test_main_job_help_documents_every_flag(tmp_path):
         assert len(section.split()) > 4, (flag, section)  # a help text, not just the metavar
     assert "multi_worker_mirrored: " in text
     assert "python -m distribute.launch, or with TF_CONFIG set" in text
+    assert "parameter_server: asynchronous training on an embedded local Ray cluster" in text
 
 
 @pytest.mark.parametrize(
@@ -234,3 +237,40 @@ def test_readme_quick_start_matches_ci():
     for step in ("python3 -m venv .venv", ".venv/bin/pip install --quiet '.[test]'", ".venv/bin/python -m pytest"):
         assert step in ci
     assert ci.index("pip install") < ci.index("ruff check") < ci.index("lint-imports") < ci.index("-m pytest")
+
+
+@pytest.mark.multiprocess
+def test_main_job_parameter_server_reaches_093_on_digits(tmp_path):
+    # An embedded Ray cluster of 2 workers and 1 ps, TF's custom PS loop; the saved model gives the printed accuracy.
+    out = tmp_path / "out"
+    result = _run(
+        ["-m", "distribute", "train", "--strategy", "parameter_server", "--mode", "custom", "--verbose", "0",
+         "--output", str(out)],
+        tmp_path, timeout=240,
+    )
+    assert result.returncode == 0, result.stderr
+    lines = [l for l in result.stdout.strip().splitlines() if not l.startswith("(")]  # Ray's worker log lines
+    assert lines[0] == "strategy: ParameterServerStrategy, workers: 2, ps: 1, ps devices: /job:ps/replica:0/task:0/device:CPU:0"
+    accuracy = float(lines[-1].split("test accuracy: ")[1])
+    assert accuracy >= 0.93
+    epochs = [l for l in lines if l.startswith("epoch ") and "examples/s" in l]
+    assert len(epochs) == 20
+    history = json.loads((out / "history.json").read_text())["history"]
+    assert len(history["loss"]) == 20 and history["loss"][-1] < history["loss"][0] / 5
+    assert history["val_accuracy"][-1] == pytest.approx(accuracy, abs=1e-4)
+    assert (out / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    check = (
+        "import sys, keras, numpy as np; from distribute.training import load_data; "
+        "_, _, x, y, _ = load_data(None, 0); m = keras.saving.load_model(sys.argv[1]); "
+        "print((np.asarray(m(x)).argmax(1) == y).mean())"
+    )
+    saved = _run(["-c", check, str(out / "model.keras")], tmp_path, timeout=120, env_extra={"KERAS_BACKEND": "jax"})
+    assert saved.returncode == 0, saved.stderr
+    assert float(saved.stdout.strip().splitlines()[-1]) == pytest.approx(accuracy, abs=1e-4)
+
+
+def test_main_job_parameter_server_fit_is_refused_in_one_line(tmp_path):
+    result = _run(["-m", "distribute", "train", "--strategy", "parameter_server"], tmp_path, timeout=60)
+    assert result.returncode == 2 and result.stdout == ""
+    assert len(result.stderr.strip().splitlines()) == 1
+    assert "--strategy parameter_server supports only --mode custom" in result.stderr

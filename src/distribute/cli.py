@@ -32,7 +32,7 @@ STRATEGY_HELP = (
     "multi_worker_mirrored: mirrored across several processes or machines - "
     "run under python -m distribute.launch, or with TF_CONFIG set on each worker; "
     "parameter_server: asynchronous training on an embedded local Ray cluster of "
-    "--num-workers workers and --num-ps parameter servers (needs --mode custom)"
+    "workers and parameter servers, sized by the two flags below (needs --mode custom)"
 )
 
 
