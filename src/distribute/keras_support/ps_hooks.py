@@ -158,9 +158,11 @@ def _optimizer_apply(original):
 def _refuse_under_ps(original, name: str):
     def method(self, *args, **kwargs):
         strategy = self.__dict__.get("_distribute_strategy")
+        if getattr(strategy, "_should_use_with_coordinator", False) and name == "fit":
+            return strategy.extended._keras_fit(self, args, kwargs)
         if getattr(strategy, "_should_use_with_coordinator", False):
             raise NotImplementedError(
-                f"Model.{name} under ParameterServerStrategy is not supported yet. Train with a custom loop: "
+                f"Model.{name} under ParameterServerStrategy is not supported yet (Model.fit is). Use a custom loop: "
                 "schedule a step function with distribute.coordinator.ClusterCoordinator(strategy).schedule(step, "
                 "args=(iter(coordinator.create_per_worker_dataset(dataset_fn)),)), then coordinator.join() "
                 "(see the README's parameter-server section)."

@@ -126,6 +126,12 @@ class ParameterServerStrategyExtended(StrategyExtended):
         for entry in entries:
             self._registry.set_local(entry, self._registry.assemble(entry, values))
 
+    def _keras_fit(self, model: Any, args: tuple, kwargs: dict) -> Any:
+        """``model.fit(*args, **kwargs)`` under this strategy (called by the Keras seam, ``ps_hooks``)."""
+        from distribute.parameter_server.keras_fit import fit
+
+        return fit(self._container_strategy, model, *args, **kwargs)
+
     @contextlib.contextmanager
     def _scheduling(self) -> Iterator[None]:
         token = _SCHEDULING.set(True)
