@@ -153,7 +153,7 @@ def _check_callbacks(callbacks: Any, keras: Any) -> None:
 
 def _arrays_dataset_fn(x: Any, y: Any, batch_size: int, shuffle: bool) -> Callable[[], Any]:
     """A per-worker ``dataset_fn``: each worker shuffles (its own order), repeats and batches the arrays."""
-    from distribute.coordinator import experimental_get_current_worker_index
+    from distribute.parameter_server.worker_context import experimental_get_current_worker_index
     from distribute.data import Dataset
 
     size = len(np.asarray(y))
