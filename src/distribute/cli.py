@@ -32,7 +32,7 @@ STRATEGY_HELP = (
     "multi_worker_mirrored: mirrored across several processes or machines - "
     "run under python -m distribute.launch, or with TF_CONFIG set on each worker; "
     "parameter_server: asynchronous training on an embedded local Ray cluster of "
-    "workers and parameter servers, sized by the two flags below (needs --mode custom)"
+    "workers and parameter servers, sized by the two flags below"
 )
 
 
@@ -87,9 +87,6 @@ def _validate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None
             parser.error(f"{flag} {value} needs --strategy parameter_server ({args.strategy} has no ps cluster)")
         if value is not None and value < 1:
             parser.error(f"{flag} {value}: must be at least 1")
-    if args.strategy == "parameter_server" and args.mode == "fit":
-        parser.error("--strategy parameter_server supports only --mode custom for now (Keras fit under "
-                     "ParameterServerStrategy is not implemented yet); pass --mode custom")
     if args.epochs < 1:
         parser.error(f"--epochs {args.epochs}: must be at least 1")
     if args.global_batch_size < 1:

@@ -244,9 +244,10 @@ def _train(strategy, args, output, x_train, y_train, x_test, y_test, data_name, 
     with strategy.scope():
         model = build_model(x_train.shape[1], num_classes, args.learning_rate)
     if args.strategy == "parameter_server":
-        from distribute.training_ps import coordinator_evaluate, ps_custom_loop
+        from distribute.training_ps import coordinator_evaluate, ps_custom_loop, ps_fit
 
-        history = ps_custom_loop(strategy, model, args, x_train, y_train, x_test, y_test, _epoch_line)
+        run = ps_fit if args.mode == "fit" else ps_custom_loop
+        history = run(strategy, model, args, x_train, y_train, x_test, y_test, _epoch_line)
         _, test_accuracy = coordinator_evaluate(model, x_test, y_test, args.global_batch_size)
     else:
         run = _fit if args.mode == "fit" else _custom_loop

@@ -119,3 +119,42 @@ def ps_custom_loop(
             history[key].append(value)
         print(epoch_line(epoch + 1, args.epochs, logs, steps * batch, seconds))
     return history
+
+
+def ps_fit(
+    strategy: Any,
+    model: Any,
+    args: argparse.Namespace,
+    x_train: np.ndarray,
+    y_train: np.ndarray,
+    x_test: np.ndarray,
+    y_test: np.ndarray,
+    epoch_line: Callable[[int, int, dict, int, float], str],
+) -> dict:
+    """Keras ``model.fit`` under the strategy: ``steps_per_epoch`` full batches per epoch; returns the history.
+
+    ``--verbose 1`` becomes 2 (TF refuses a per-step bar under ParameterServerStrategy);
+    test loss and accuracy are added to each epoch's logs by ``coordinator_evaluate``.
+    """
+    import keras
+
+    steps, batch = steps_per_epoch(len(x_train), args.global_batch_size)
+    verbose = min(args.verbose, 1) * 2
+
+    class TestPass(keras.callbacks.Callback):  # epoch-level only: TF refuses batch-level callbacks here
+        def on_epoch_begin(self, epoch, logs=None):
+            self.start = time.perf_counter()
+
+        def on_epoch_end(self, epoch, logs=None):
+            self.seconds = time.perf_counter() - self.start
+            logs["val_loss"], logs["val_accuracy"] = coordinator_evaluate(model, x_test, y_test, args.global_batch_size)
+
+    class EpochSummary(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            print(epoch_line(epoch + 1, args.epochs, logs, steps * batch, test_pass.seconds))
+
+    test_pass = TestPass()
+    callbacks = [test_pass, keras.callbacks.ProgbarLogger(), EpochSummary()] if verbose else [test_pass, EpochSummary()]
+    result = model.fit(x_train, y_train, batch_size=batch, epochs=args.epochs, steps_per_epoch=steps,
+                       shuffle=True, verbose=verbose, callbacks=callbacks)
+    return {k: [float(v) for v in vals] for k, vals in result.history.items()}
