@@ -103,3 +103,22 @@ def test_fit_rules_are_tfs(two_workers):
     with pytest.raises(ValueError, match="`run_eagerly` is not supported"):
         model.fit(x, y, epochs=1, steps_per_epoch=2, verbose=0)
     assert int(model.optimizer.iterations.numpy()) == 0  # nothing ran
+
+
+def test_fit_from_a_dataset_creator(one_worker):
+    # TF's DatasetCreator: dataset_fn(input_context) runs on every worker (input pipeline 0 each, as TF).
+    x, y = _data()
+    creator = distribute.DatasetCreator(lambda ctx: Dataset.from_tensor_slices((x, y)).repeat().batch(8))
+    with one_worker.scope():
+        model = _compiled("sgd")
+    with pytest.raises(ValueError, match="needs a built model and built metrics"):
+        model.fit(creator, epochs=1, steps_per_epoch=2, verbose=0)
+    with pytest.raises(ValueError, match="`steps_per_epoch`, `validation_steps`, `steps`, or `pss_evaluation_shards`"):
+        model.fit(creator, epochs=1, verbose=0)
+    model.fit(x, y, batch_size=8, epochs=1, steps_per_epoch=8, shuffle=False, verbose=0)  # builds metrics too
+    model.fit(creator, epochs=2, steps_per_epoch=8, verbose=0)
+    reference = _compiled("sgd")
+    reference.fit(x, y, batch_size=8, epochs=3, shuffle=False, verbose=0)
+    for got, expected in zip(model.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+    assert int(model.optimizer.iterations.numpy()) == 24
