@@ -122,3 +122,15 @@ def test_fit_from_a_dataset_creator(one_worker):
     for got, expected in zip(model.get_weights(), reference.get_weights()):
         np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
     assert int(model.optimizer.iterations.numpy()) == 24
+
+
+def test_fit_from_experimental_distribute_dataset_and_bad_steps(two_workers):
+    x, y = _data()
+    with two_workers.scope():
+        model = _compiled("sgd")
+    with pytest.raises(NotImplementedError, match="steps_per_epoch=-1: .* needs a positive int"):
+        model.fit(x, y, epochs=1, steps_per_epoch=-1, verbose=0)
+    distributed = two_workers.experimental_distribute_dataset(Dataset.from_tensor_slices((x, y)).repeat().batch(8))
+    history = model.fit(distributed, epochs=2, steps_per_epoch=5, verbose=0)
+    assert int(model.optimizer.iterations.numpy()) == 10
+    assert len(history.history["loss"]) == 2 and history.history["loss"][1] < history.history["loss"][0]

@@ -70,18 +70,23 @@ def fit(
 
     from distribute.data import Dataset
     from distribute.parameter_server.coordinator import ClusterCoordinator
-    from distribute.parameter_server.dataset import DatasetCreator
+    from distribute.parameter_server.dataset import DatasetCreator, DistributedDatasetSpec
 
     if model.optimizer is None:
         raise ValueError("You must call `compile()` before calling `fit()` (in strategy.scope()).")
     if model.run_eagerly:
         raise ValueError(RUN_EAGERLY)
-    is_creator = isinstance(x, DatasetCreator)
+    is_creator = isinstance(x, (DatasetCreator, DistributedDatasetSpec))
     is_arrays = not is_creator and not isinstance(x, Dataset)
     if is_arrays and not isinstance(x, (np.ndarray, list, tuple, dict)) and not hasattr(x, "__array__"):
         raise NotImplementedError(UNSUPPORTED_INPUT)
     if steps_per_epoch is None:
         raise ValueError(STEPS_REQUIRED if isinstance(x, Dataset) else STEPS_REQUIRED_CREATOR)
+    if isinstance(steps_per_epoch, bool) or not isinstance(steps_per_epoch, int) or steps_per_epoch < 1:
+        raise NotImplementedError(
+            f"steps_per_epoch={steps_per_epoch!r}: model.fit under ParameterServerStrategy needs a positive int here "
+            "(TF's -1, train until stopped, is not supported yet)."
+        )
     if validation_data is not None or validation_split:
         raise NotImplementedError(VALIDATION)
     if class_weight is not None:
@@ -102,7 +107,8 @@ def fit(
         first = _first_batch_of_arrays(x, y, batch_size or 32)
     else:
         source = x
-        first = _first_element(x) if isinstance(x, Dataset) else None
+        dataset = x.dataset if isinstance(x, DistributedDatasetSpec) else x
+        first = _first_element(dataset) if isinstance(dataset, Dataset) else None
     with strategy.scope():  # model, compiled metrics and optimizer slots are created on the ps
         if first is not None:
             model._symbolic_build(data_batch=first)
@@ -117,7 +123,7 @@ def fit(
 
     callback_list = keras.callbacks.CallbackList(
         callbacks, add_history=True, add_progbar=verbose != 0, model=model, verbose=verbose, epochs=epochs,
-        steps=None if steps_per_epoch == -1 else steps_per_epoch,
+        steps=steps_per_epoch,
     )
     model.stop_training = False
     callback_list.on_train_begin()
@@ -198,7 +204,7 @@ def _train_step(strategy: Any, model: Any) -> Callable:
 
         (loss, y_pred), grads = distribute.compute_gradients(loss_fn, model.trainable_variables, has_aux=True)
         optimizer.apply_gradients(zip(grads, model.trainable_variables))
-        batch = next(a for a in jax_leaves(x) if a is not None).shape[0]
+        batch = next(a for a in _leaves(x) if a is not None).shape[0]
         model._loss_tracker.update_state(loss, sample_weight=batch)
         model.compute_metrics(x, y, y_pred, sample_weight)
         return loss
@@ -210,7 +216,7 @@ def _train_step(strategy: Any, model: Any) -> Callable:
     return train_step
 
 
-def jax_leaves(tree: Any) -> list:
+def _leaves(tree: Any) -> list:
     import jax
 
     return jax.tree_util.tree_leaves(tree)
