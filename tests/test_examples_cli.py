@@ -92,6 +92,7 @@ def test_main_job_reads_an_mnist_npz(tmp_path):
         (["--bogus"], "unrecognized arguments: --bogus"),
         (["--num-workers", "2"], "--num-workers 2 needs --strategy parameter_server"),
         (["--strategy", "parameter_server", "--mode", "custom", "--num-ps", "0"], "--num-ps 0: must be at least 1"),
+        (["--strategy", "parameter_server", "--replicas", "2"], "(parameter_server has one replica per worker)"),
     ],
 )
 def test_main_job_bad_flags_exit_2_with_one_line(tmp_path, args, needle):

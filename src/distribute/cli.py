@@ -81,7 +81,8 @@ def _validate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None
     if args.replicas is not None and args.replicas < 1:
         parser.error(f"--replicas {args.replicas}: must be at least 1")
     if args.strategy != "mirrored" and args.replicas not in (None, 1):
-        parser.error(f"--replicas {args.replicas} needs --strategy mirrored ({args.strategy} has one replica)")
+        per = " per worker" if args.strategy == "parameter_server" else ""
+        parser.error(f"--replicas {args.replicas} needs --strategy mirrored ({args.strategy} has one replica{per})")
     for flag, value in (("--num-workers", args.num_workers), ("--num-ps", args.num_ps)):
         if value is not None and args.strategy != "parameter_server":
             parser.error(f"{flag} {value} needs --strategy parameter_server ({args.strategy} has no ps cluster)")
