@@ -134,3 +134,17 @@ def test_fit_from_experimental_distribute_dataset_and_bad_steps(two_workers):
     history = model.fit(distributed, epochs=2, steps_per_epoch=5, verbose=0)
     assert int(model.optimizer.iterations.numpy()) == 10
     assert len(history.history["loss"]) == 2 and history.history["loss"][1] < history.history["loss"][0]
+
+
+def test_the_keras_internals_ps_fit_relies_on_exist():
+    # keras_support/ps_hooks.py's fit helpers read these Trainer internals; a Keras upgrade that drops one fails here.
+    model = _compiled("sgd")
+    assert callable(keras.Model._symbolic_build)
+    assert isinstance(model._loss_tracker, keras.metrics.Mean) and model._loss_tracker.name == "loss"
+    assert model._compile_metrics is not None and not model._compile_metrics.built
+    from distribute.keras_support import ps_hooks
+
+    x, y = _data()
+    ps_hooks.build_fit_state(model, (x[:8], y[:8]))
+    assert ps_hooks.fit_state_built(model)
+    assert ps_hooks.unpack_x_y_sample_weight((x, y)) == (x, y, None)

@@ -63,13 +63,15 @@ def fit(
         ValueError: ``steps_per_epoch`` missing, ``run_eagerly``, ``verbose=1``,
             batch-level callbacks (TF's messages), or a model not compiled.
         NotImplementedError: ``validation_data``/``validation_split`` (TF's
-            message), ``class_weight``, ``sample_weight`` with numpy, or an
-            unsupported input type.
+            message), ``steps_per_epoch`` not a positive int (TF's ``-1``),
+            ``class_weight``, ``sample_weight`` with numpy, or an unsupported
+            input type.
     """
     import keras
 
     from distribute.data import Dataset
     from distribute.parameter_server.coordinator import ClusterCoordinator
+    from distribute.keras_support import ps_hooks
     from distribute.parameter_server.dataset import DatasetCreator, DistributedDatasetSpec
 
     if model.optimizer is None:
@@ -111,8 +113,8 @@ def fit(
         first = _first_element(dataset) if isinstance(dataset, Dataset) else None
     with strategy.scope():  # model, compiled metrics and optimizer slots are created on the ps
         if first is not None:
-            model._symbolic_build(data_batch=first)
-        elif not model.built or (model._compile_metrics is not None and not model._compile_metrics.built):
+            ps_hooks.build_fit_state(model, first)
+        elif not ps_hooks.fit_state_built(model):
             raise ValueError("model.fit under ParameterServerStrategy with a DatasetCreator needs a built model and "
                              "built metrics: in strategy.scope(), call model.compute_metrics on one batch, or fit once "
                              "from a Dataset, before fitting from a DatasetCreator.")
@@ -190,33 +192,13 @@ def _first_batch_of_arrays(x: Any, y: Any, batch_size: int) -> tuple:
 
 
 def _train_step(strategy: Any, model: Any) -> Callable:
-    """The scheduled train step: forward, compiled loss, gradients to the ps, loss tracker and metrics."""
-    import distribute
-    from distribute._keras import data_adapter_utils
+    """The scheduled train step: one batch from the worker's iterator through ``ps_hooks.fit_replica_fn``."""
+    from distribute.keras_support import ps_hooks
 
-    optimizer = model.optimizer
-
-    def replica_fn(x, y, sample_weight):
-        def loss_fn():
-            y_pred = model(x, training=True)
-            loss = model.compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True)
-            return loss, y_pred
-
-        (loss, y_pred), grads = distribute.compute_gradients(loss_fn, model.trainable_variables, has_aux=True)
-        optimizer.apply_gradients(zip(grads, model.trainable_variables))
-        batch = next(a for a in _leaves(x) if a is not None).shape[0]
-        model._loss_tracker.update_state(loss, sample_weight=batch)
-        model.compute_metrics(x, y, y_pred, sample_weight)
-        return loss
+    replica_fn = ps_hooks.fit_replica_fn(model)
 
     def train_step(iterator):
-        x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(next(iterator))
+        x, y, sample_weight = ps_hooks.unpack_x_y_sample_weight(next(iterator))
         return strategy.reduce("SUM", strategy.run(replica_fn, args=(x, y, sample_weight)), axis=None)
 
     return train_step
-
-
-def _leaves(tree: Any) -> list:
-    import jax
-
-    return jax.tree_util.tree_leaves(tree)
