@@ -90,6 +90,9 @@ def test_main_job_reads_an_mnist_npz(tmp_path):
         (["--global-batch-size", "x"], "invalid int value: 'x'"),
         (["--learning-rate", "nan"], "--learning-rate nan"),
         (["--bogus"], "unrecognized arguments: --bogus"),
+        (["--num-workers", "2"], "--num-workers 2 needs --strategy parameter_server"),
+        (["--strategy", "parameter_server", "--mode", "custom", "--num-ps", "0"], "--num-ps 0: must be at least 1"),
+        (["--strategy", "parameter_server", "--replicas", "2"], "(parameter_server has one replica per worker)"),
     ],
 )
 def test_main_job_bad_flags_exit_2_with_one_line(tmp_path, args, needle):
@@ -106,7 +109,7 @@ def test_main_job_help_documents_every_flag(tmp_path):
     assert result.returncode == 0, result.stderr
     text = " ".join(result.stdout.split())
     options = text.split("options:")[1]
-    flags = ["--strategy", "--replicas", "--epochs", "--global-batch-size", "--learning-rate", "--mode", "--seed",
+    flags = ["--strategy", "--replicas", "--num-workers", "--num-ps", "--epochs", "--global-batch-size", "--learning-rate", "--mode", "--seed",
              "--data", "--output", "--verbose"]
     for flag, following in zip(flags, flags[1:] + [None]):
         section = options.split(flag, 1)[1]
@@ -114,6 +117,7 @@ def test_main_job_help_documents_every_flag(tmp_path):
         assert len(section.split()) > 4, (flag, section)  # a help text, not just the metavar
     assert "multi_worker_mirrored: " in text
     assert "python -m distribute.launch, or with TF_CONFIG set" in text
+    assert "parameter_server: asynchronous training on an embedded local Ray cluster" in text
 
 
 @pytest.mark.parametrize(
@@ -234,3 +238,39 @@ def test_readme_quick_start_matches_ci():
     for step in ("python3 -m venv .venv", ".venv/bin/pip install --quiet '.[test]'", ".venv/bin/python -m pytest"):
         assert step in ci
     assert ci.index("pip install") < ci.index("ruff check") < ci.index("lint-imports") < ci.index("-m pytest")
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("mode", ["fit", "custom"])
+def test_main_job_parameter_server_reaches_093_on_digits(tmp_path, mode):
+    # The defaults: an embedded Ray cluster of 2 workers and 1 ps; Keras fit (the default mode) or TF's custom
+    # PS loop. The saved model gives the printed accuracy; fit counts every scheduled step once.
+    out = tmp_path / "out"
+    result = _run(
+        ["-m", "distribute", "train", "--strategy", "parameter_server", *(["--mode", mode] if mode == "custom" else []),
+         "--verbose", "0", "--output", str(out)],
+        tmp_path, timeout=240,
+    )
+    assert result.returncode == 0, result.stderr
+    lines = [l for l in result.stdout.strip().splitlines() if not l.startswith("(")]  # Ray's worker log lines
+    assert lines[0] == "strategy: ParameterServerStrategy, workers: 2, ps: 1, ps devices: /job:ps/replica:0/task:0/device:CPU:0"
+    assert lines[1].endswith(f"global batch 64, mode {mode}")
+    accuracy = float(lines[-1].split("test accuracy: ")[1])
+    assert accuracy >= 0.93
+    epochs = [l for l in lines if l.startswith("epoch ") and "examples/s" in l]
+    assert len(epochs) == 20
+    history = json.loads((out / "history.json").read_text())["history"]
+    assert sorted(history) == ["accuracy", "loss", "val_accuracy", "val_loss"]
+    assert len(history["loss"]) == 20 and history["loss"][-1] < history["loss"][0] / 5
+    assert history["val_accuracy"][-1] == pytest.approx(accuracy, abs=1e-4)
+    assert (out / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    check = (
+        "import sys, keras, numpy as np; from distribute.training import load_data; "
+        "_, _, x, y, _ = load_data(None, 0); m = keras.saving.load_model(sys.argv[1]); "
+        "print((np.asarray(m(x)).argmax(1) == y).mean(), int(m.optimizer.iterations.numpy()))"
+    )
+    saved = _run(["-c", check, str(out / "model.keras")], tmp_path, timeout=120, env_extra={"KERAS_BACKEND": "jax"})
+    assert saved.returncode == 0, saved.stderr
+    saved_accuracy, iterations = saved.stdout.strip().splitlines()[-1].split()
+    assert float(saved_accuracy) == pytest.approx(accuracy, abs=1e-4)
+    assert int(iterations) == 20 * (1437 // 64)  # every step of every epoch applied once

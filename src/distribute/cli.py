@@ -14,7 +14,7 @@ import os
 import sys
 from typing import Sequence
 
-STRATEGIES = ("mirrored", "one_device", "default", "multi_worker_mirrored")
+STRATEGIES = ("mirrored", "one_device", "default", "multi_worker_mirrored", "parameter_server")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -30,7 +30,9 @@ STRATEGY_HELP = (
     "one_device: everything on the first device; "
     "default: no distribution (the default strategy); "
     "multi_worker_mirrored: mirrored across several processes or machines - "
-    "run under python -m distribute.launch, or with TF_CONFIG set on each worker"
+    "run under python -m distribute.launch, or with TF_CONFIG set on each worker; "
+    "parameter_server: asynchronous training on an embedded local Ray cluster of "
+    "workers and parameter servers, sized by the two flags below"
 )
 
 
@@ -52,6 +54,10 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--strategy", choices=STRATEGIES, default="mirrored", help=STRATEGY_HELP)
     train.add_argument("--replicas", type=int, default=None, metavar="N",
                        help="replicas for --strategy mirrored (default: 2 virtual CPU devices on CPU, all GPUs on GPU)")
+    train.add_argument("--num-workers", type=int, default=None, metavar="N",
+                       help="workers of the embedded cluster for --strategy parameter_server (default: 2)")
+    train.add_argument("--num-ps", type=int, default=None, metavar="N",
+                       help="parameter servers of the embedded cluster for --strategy parameter_server (default: 1)")
     train.add_argument("--epochs", type=int, default=20, metavar="N", help="passes over the training data (default: %(default)s)")
     train.add_argument("--global-batch-size", type=int, default=64, metavar="N",
                        help="examples per step, summed over all replicas (default: %(default)s)")
@@ -75,7 +81,13 @@ def _validate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None
     if args.replicas is not None and args.replicas < 1:
         parser.error(f"--replicas {args.replicas}: must be at least 1")
     if args.strategy != "mirrored" and args.replicas not in (None, 1):
-        parser.error(f"--replicas {args.replicas} needs --strategy mirrored ({args.strategy} has one replica)")
+        per = " per worker" if args.strategy == "parameter_server" else ""
+        parser.error(f"--replicas {args.replicas} needs --strategy mirrored ({args.strategy} has one replica{per})")
+    for flag, value in (("--num-workers", args.num_workers), ("--num-ps", args.num_ps)):
+        if value is not None and args.strategy != "parameter_server":
+            parser.error(f"{flag} {value} needs --strategy parameter_server ({args.strategy} has no ps cluster)")
+        if value is not None and value < 1:
+            parser.error(f"{flag} {value}: must be at least 1")
     if args.epochs < 1:
         parser.error(f"--epochs {args.epochs}: must be at least 1")
     if args.global_batch_size < 1:

@@ -159,11 +159,13 @@ def check_labels(y_train: np.ndarray, y_test: np.ndarray, source: str) -> int:
 
 
 # -- strategy and model --------------------------------------------------------------------
-def make_strategy(name: str, replicas: int | None) -> Any:
+def make_strategy(name: str, replicas: int | None, num_workers: int | None = None, num_ps: int | None = None) -> Any:
     import jax
 
     import distribute
 
+    if name == "parameter_server":  # an embedded local Ray cluster (or RAY_ADDRESS's)
+        return distribute.ParameterServerStrategy(num_workers=num_workers, num_ps=num_ps)
     if name == "default":
         return distribute.get_strategy()
     if name == "multi_worker_mirrored":  # the cluster from TF_CONFIG (python -m distribute.launch sets it)
@@ -211,24 +213,46 @@ def train(args: argparse.Namespace) -> dict:
     """
     x_train, y_train, x_test, y_test, data_name = load_data(args.data, args.seed)
     num_classes = check_labels(y_train, y_test, f"--data {args.data}" if args.data else data_name)
-    import keras  # after the data checks, so a bad --data file is reported without the wait
+    import keras  # noqa: F401 - after the data checks, so a bad --data file is reported without the wait
 
     output = Path(args.output)
     try:
         output.mkdir(parents=True, exist_ok=True)
     except OSError as err:
         raise JobError(f"cannot create --output {args.output}: {err}") from None
-    strategy = make_strategy(args.strategy, args.replicas)
+    strategy = make_strategy(args.strategy, args.replicas, getattr(args, "num_workers", None), getattr(args, "num_ps", None))
+    try:
+        return _train(strategy, args, output, x_train, y_train, x_test, y_test, data_name, num_classes)
+    finally:
+        if args.strategy == "parameter_server":
+            strategy._shutdown()  # the actors; the embedded Ray instance stops at exit
+
+
+def _train(strategy, args, output, x_train, y_train, x_test, y_test, data_name, num_classes) -> dict:
+    import keras
+
     keras.utils.set_random_seed(args.seed)
-    print(f"strategy: {type(strategy).__name__.lstrip('_')}, replicas: {strategy.num_replicas_in_sync}, "
-          f"devices: {', '.join(strategy.extended.worker_devices)}")
+    if args.strategy == "parameter_server":
+        ext = strategy.extended
+        print(f"strategy: ParameterServerStrategy, workers: {ext.num_workers}, ps: {ext.num_ps}, "
+              f"ps devices: {', '.join(ext.parameter_devices)}")
+    else:
+        print(f"strategy: {type(strategy).__name__.lstrip('_')}, replicas: {strategy.num_replicas_in_sync}, "
+              f"devices: {', '.join(strategy.extended.worker_devices)}")
     print(f"data: {data_name}, {len(x_train)} train / {len(x_test)} test examples, {x_train.shape[1]} features, "
           f"{num_classes} classes; global batch {args.global_batch_size}, mode {args.mode}")
     with strategy.scope():
         model = build_model(x_train.shape[1], num_classes, args.learning_rate)
-    run = _fit if args.mode == "fit" else _custom_loop
-    history = run(strategy, model, args, x_train, y_train, x_test, y_test)
-    _, test_accuracy = model.evaluate(x_test, y_test, batch_size=args.global_batch_size, verbose=0)
+    if args.strategy == "parameter_server":
+        from distribute.training_ps import coordinator_evaluate, ps_custom_loop, ps_fit
+
+        run = ps_fit if args.mode == "fit" else ps_custom_loop
+        history = run(strategy, model, args, x_train, y_train, x_test, y_test, _epoch_line)
+        _, test_accuracy = coordinator_evaluate(model, x_test, y_test, args.global_batch_size)
+    else:
+        run = _fit if args.mode == "fit" else _custom_loop
+        history = run(strategy, model, args, x_train, y_train, x_test, y_test)
+        _, test_accuracy = model.evaluate(x_test, y_test, batch_size=args.global_batch_size, verbose=0)
     if strategy.extended.should_checkpoint:  # the chief writes; every worker prints
         _write_outputs(output, model, history, args)
         print(f"outputs: {output / 'model.keras'}, {output / 'history.json'}, {output / 'curves.png'}")

@@ -158,9 +158,11 @@ def _optimizer_apply(original):
 def _refuse_under_ps(original, name: str):
     def method(self, *args, **kwargs):
         strategy = self.__dict__.get("_distribute_strategy")
+        if getattr(strategy, "_should_use_with_coordinator", False) and name == "fit":
+            return strategy.extended._keras_fit(self, args, kwargs)
         if getattr(strategy, "_should_use_with_coordinator", False):
             raise NotImplementedError(
-                f"Model.{name} under ParameterServerStrategy is not supported yet. Train with a custom loop: "
+                f"Model.{name} under ParameterServerStrategy is not supported yet (Model.fit is). Use a custom loop: "
                 "schedule a step function with distribute.coordinator.ClusterCoordinator(strategy).schedule(step, "
                 "args=(iter(coordinator.create_per_worker_dataset(dataset_fn)),)), then coordinator.join() "
                 "(see the README's parameter-server section)."
@@ -179,3 +181,51 @@ def without_clipping(optimizer: Any) -> Iterator[None]:
         yield
     finally:
         optimizer.clipnorm, optimizer.clipvalue, optimizer.global_clipnorm = saved
+
+
+# -- Model.fit under ParameterServerStrategy (parameter_server/keras_fit.py): the Keras internals it needs --------
+def build_fit_state(model: Any, data_batch: Any) -> None:
+    """Builds the model, its compiled loss and metrics from ``data_batch`` (Keras' symbolic build); call in scope."""
+    model._symbolic_build(data_batch=data_batch)
+
+
+def fit_state_built(model: Any) -> bool:
+    """Whether the model and its compiled metrics are built (fit can then start without a batch)."""
+    metrics = model._compile_metrics
+    return bool(model.built) and (metrics is None or metrics.built)
+
+
+def unpack_x_y_sample_weight(data: Any) -> tuple:
+    """Keras' ``(x, y, sample_weight)`` of a batch."""
+    from distribute._keras import data_adapter_utils
+
+    return data_adapter_utils.unpack_x_y_sample_weight(data)
+
+
+def fit_replica_fn(model: Any) -> Any:
+    """``replica_fn(x, y, sample_weight) -> loss``: one Keras train step, traced into a scheduled function.
+
+    Forward pass, the compiled loss (``model.compute_loss``), gradients applied by
+    the owning ps, the loss tracker (weighted by the batch size, as Keras) and the
+    compiled metrics (``model.compute_metrics``), all recorded as ps updates.
+    """
+    import jax
+
+    from distribute.keras_support.gradients import compute_gradients
+
+    optimizer = model.optimizer
+
+    def replica_fn(x, y, sample_weight):
+        def loss_fn():
+            y_pred = model(x, training=True)
+            loss = model.compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True)
+            return loss, y_pred
+
+        (loss, y_pred), grads = compute_gradients(loss_fn, model.trainable_variables, has_aux=True)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        batch = next(a for a in jax.tree_util.tree_leaves(x) if a is not None).shape[0]
+        model._loss_tracker.update_state(loss, sample_weight=batch)
+        model.compute_metrics(x, y, y_pred, sample_weight)
+        return loss
+
+    return replica_fn

@@ -40,9 +40,8 @@ class ClusterCoordinator:
     """
 
     def __new__(cls, strategy: Any):
-        from distribute.parameter_server.strategy import ParameterServerStrategy
-
-        if not isinstance(strategy, ParameterServerStrategy):
+        # The strategy's marker, not isinstance: strategy.py imports this module (through Keras fit).
+        if not getattr(strategy, "_should_use_with_coordinator", False):
             raise ValueError(
                 "Only `tf.distribute.experimental.ParameterServerStrategy` is supported to work with "
                 "`tf.distribute.experimental.coordinator.ClusterCoordinator` currently."

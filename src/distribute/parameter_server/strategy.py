@@ -59,6 +59,16 @@ class ParameterServerStrategyExtended(StrategyExtended):
         """The ps tasks' devices, ``/job:ps/replica:0/task:<j>/device:CPU:0``."""
         return tuple(ps_device(j) for j in range(self._registry.num_ps))
 
+    @property
+    def num_workers(self) -> int:
+        """The number of worker tasks (this project's addition; TF keeps it private)."""
+        return self._num_workers
+
+    @property
+    def num_ps(self) -> int:
+        """The number of ps tasks (this project's addition; TF keeps it private)."""
+        return self._num_ps
+
     @contextlib.contextmanager
     def colocate_vars_with(self, colocate_with_variable: Any) -> Iterator[None]:
         """Places variables created inside on ``colocate_with_variable``'s ps (never partitioned), as TF."""
@@ -115,6 +125,12 @@ class ParameterServerStrategyExtended(StrategyExtended):
             values.update(part)
         for entry in entries:
             self._registry.set_local(entry, self._registry.assemble(entry, values))
+
+    def _keras_fit(self, model: Any, args: tuple, kwargs: dict) -> Any:
+        """``model.fit(*args, **kwargs)`` under this strategy (called by the Keras seam, ``ps_hooks``)."""
+        from distribute.parameter_server.keras_fit import fit
+
+        return fit(self._container_strategy, model, *args, **kwargs)
 
     @contextlib.contextmanager
     def _scheduling(self) -> Iterator[None]:

@@ -1,0 +1,150 @@
+"""Keras ``Model.fit`` under ParameterServerStrategy: tf-keras' PS fit rules, with values.
+
+One worker applies updates in order, so fit equals one device's Keras fit on the
+same batches; two workers converge and count every step once.
+"""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import pytest
+
+import distribute
+from distribute.data import Dataset
+
+pytestmark = pytest.mark.multiprocess
+
+
+@pytest.fixture(scope="module")
+def one_worker(ray_instance):
+    strategy = distribute.ParameterServerStrategy(num_workers=1, num_ps=2)
+    yield strategy
+    strategy._shutdown()
+
+
+@pytest.fixture(scope="module")
+def two_workers(ray_instance):
+    strategy = distribute.ParameterServerStrategy(num_workers=2, num_ps=1)
+    yield strategy
+    strategy._shutdown()
+
+
+def _data():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64, 4)).astype(np.float32)
+    y = (x @ np.array([[1.0], [-2.0], [0.5], [3.0]], np.float32) + 0.7).astype(np.float32)
+    return x, y
+
+
+def _compiled(optimizer="sgd"):
+    keras.utils.set_random_seed(1)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    opt = keras.optimizers.SGD(0.05) if optimizer == "sgd" else keras.optimizers.Adam(0.05)
+    model.compile(optimizer=opt, loss="mse", metrics=["mae"])
+    return model
+
+
+@pytest.mark.parametrize("source", ["numpy", "dataset"])
+def test_fit_one_worker_equals_one_device_keras_fit(one_worker, source):
+    x, y = _data()
+    with one_worker.scope():
+        model = _compiled("adam")
+    if source == "numpy":
+        history = model.fit(x, y, batch_size=8, epochs=3, steps_per_epoch=8, shuffle=False, verbose=0)
+    else:
+        history = model.fit(Dataset.from_tensor_slices((x, y)).repeat().batch(8), epochs=3, steps_per_epoch=8, verbose=0)
+    reference = _compiled("adam")
+    want = reference.fit(x, y, batch_size=8, epochs=3, shuffle=False, verbose=0)
+    for got, expected in zip(model.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+    assert int(model.optimizer.iterations.numpy()) == 3 * 8
+    # Logs come from the ps-side metrics: the epoch's mean loss and MAE, as one device's fit reports.
+    assert sorted(history.history) == ["loss", "mae"]
+    np.testing.assert_allclose(history.history["loss"], want.history["loss"], rtol=1e-5)
+    np.testing.assert_allclose(history.history["mae"], want.history["mae"], rtol=1e-5)
+
+
+def test_fit_two_workers_converges_and_counts_every_step(two_workers):
+    x, y = _data()
+    with two_workers.scope():
+        model = _compiled("sgd")
+    history = model.fit(x, y, batch_size=8, epochs=4, steps_per_epoch=25, verbose=0)
+    assert int(model.optimizer.iterations.numpy()) == 100
+    kernel, bias = model.get_weights()
+    np.testing.assert_allclose(kernel.ravel(), [1.0, -2.0, 0.5, 3.0], atol=0.05)
+    np.testing.assert_allclose(bias, [0.7], atol=0.05)
+    assert history.history["loss"][-1] < history.history["loss"][0] / 10
+    assert len(history.history["loss"]) == 4
+
+
+def test_fit_rules_are_tfs(two_workers):
+    x, y = _data()
+    with two_workers.scope():
+        model = _compiled("sgd")
+    with pytest.raises(ValueError, match="`steps_per_epoch`, `validation_steps`, `steps`, or `pss_evaluation_shards`"):
+        model.fit(x, y, epochs=1)
+    with pytest.raises(ValueError, match="^`steps_per_epoch` must be specified with `ParameterServerStrategy`.$"):
+        model.fit(Dataset.from_tensor_slices((x, y)).repeat().batch(8), epochs=1)
+    with pytest.raises(ValueError, match="`verbose=1` is not allowed with `ParameterServerStrategy`"):
+        model.fit(x, y, epochs=1, steps_per_epoch=2, verbose=1)
+    with pytest.raises(NotImplementedError, match="Evaluation in `model.fit` with `ParameterServerStrategy`"):
+        model.fit(x, y, epochs=1, steps_per_epoch=2, verbose=0, validation_data=(x, y))
+
+    class PerBatch(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            pass
+
+    with pytest.raises(ValueError, match="Batch-level `Callback`s are not supported with `ParameterServerStrategy`"):
+        model.fit(x, y, epochs=1, steps_per_epoch=2, verbose=0, callbacks=[PerBatch()])
+    with pytest.raises(NotImplementedError, match=r"Model.evaluate under ParameterServerStrategy is not supported yet"):
+        model.evaluate(x, y)
+    model.run_eagerly = True
+    with pytest.raises(ValueError, match="`run_eagerly` is not supported"):
+        model.fit(x, y, epochs=1, steps_per_epoch=2, verbose=0)
+    assert int(model.optimizer.iterations.numpy()) == 0  # nothing ran
+
+
+def test_fit_from_a_dataset_creator(one_worker):
+    # TF's DatasetCreator: dataset_fn(input_context) runs on every worker (input pipeline 0 each, as TF).
+    x, y = _data()
+    creator = distribute.DatasetCreator(lambda ctx: Dataset.from_tensor_slices((x, y)).repeat().batch(8))
+    with one_worker.scope():
+        model = _compiled("sgd")
+    with pytest.raises(ValueError, match="needs a built model and built metrics"):
+        model.fit(creator, epochs=1, steps_per_epoch=2, verbose=0)
+    with pytest.raises(ValueError, match="`steps_per_epoch`, `validation_steps`, `steps`, or `pss_evaluation_shards`"):
+        model.fit(creator, epochs=1, verbose=0)
+    model.fit(x, y, batch_size=8, epochs=1, steps_per_epoch=8, shuffle=False, verbose=0)  # builds metrics too
+    model.fit(creator, epochs=2, steps_per_epoch=8, verbose=0)
+    reference = _compiled("sgd")
+    reference.fit(x, y, batch_size=8, epochs=3, shuffle=False, verbose=0)
+    for got, expected in zip(model.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+    assert int(model.optimizer.iterations.numpy()) == 24
+
+
+def test_fit_from_experimental_distribute_dataset_and_bad_steps(two_workers):
+    x, y = _data()
+    with two_workers.scope():
+        model = _compiled("sgd")
+    with pytest.raises(NotImplementedError, match="steps_per_epoch=-1: .* needs a positive int"):
+        model.fit(x, y, epochs=1, steps_per_epoch=-1, verbose=0)
+    distributed = two_workers.experimental_distribute_dataset(Dataset.from_tensor_slices((x, y)).repeat().batch(8))
+    history = model.fit(distributed, epochs=2, steps_per_epoch=5, verbose=0)
+    assert int(model.optimizer.iterations.numpy()) == 10
+    assert len(history.history["loss"]) == 2 and history.history["loss"][1] < history.history["loss"][0]
+
+
+def test_the_keras_internals_ps_fit_relies_on_exist():
+    # keras_support/ps_hooks.py's fit helpers read these Trainer internals; a Keras upgrade that drops one fails here.
+    model = _compiled("sgd")
+    assert callable(keras.Model._symbolic_build)
+    assert isinstance(model._loss_tracker, keras.metrics.Mean) and model._loss_tracker.name == "loss"
+    assert model._compile_metrics is not None and not model._compile_metrics.built
+    from distribute.keras_support import ps_hooks
+
+    x, y = _data()
+    ps_hooks.build_fit_state(model, (x[:8], y[:8]))
+    assert ps_hooks.fit_state_built(model)
+    assert ps_hooks.unpack_x_y_sample_weight((x, y)) == (x, y, None)
