@@ -89,10 +89,10 @@ class CommunicationOptions:
 class MultiWorkerExtended(StrategyExtended):
     """StrategyExtended over all workers' devices; see :class:`MultiWorkerMirroredStrategy`."""
 
-    def __init__(self, strategy: "MultiWorkerMirroredStrategy", devices: Any):
+    def __init__(self, strategy: "MultiWorkerMirroredStrategy", devices: Any, cluster: _Cluster, exchange: "_Exchange | None"):
         super().__init__(strategy, devices)
-        self._cluster: _Cluster = strategy._cluster_info
-        self._exchange: _Exchange | None = strategy._exchange_obj
+        self._cluster = cluster
+        self._exchange = exchange
         self._tf_config = _env.Watch(_env.TF_CONFIG)  # as the strategy read it; checked at every step
 
     def record_dispatch(self, outputs: Any) -> None:
@@ -304,13 +304,12 @@ class MultiWorkerMirroredStrategy(Strategy):
         resolver = cluster_resolver if cluster_resolver is not None else default_resolver()
         cluster = _read_cluster(resolver)
         timeout = communication_options.effective_timeout_seconds
+        exchange = _Exchange(_join(cluster, timeout), cluster, timeout) if cluster.num_workers > 1 else None
+        devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+        super().__init__(devices, cluster=cluster, exchange=exchange)
         self._communication_options = communication_options
         self._cluster_info = cluster
-        self._exchange_obj = None
-        if cluster.num_workers > 1:
-            self._exchange_obj = _Exchange(_join(cluster, timeout), cluster, timeout)
-        devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
-        super().__init__(devices)
+        self._exchange_obj = exchange
         self._cluster_resolver = resolver
         if cluster.num_workers > 1:
             _agree_on_seed(self._exchange_obj)

@@ -48,8 +48,8 @@ class Strategy:
 
     _extended_cls = StrategyExtended
 
-    def __init__(self, devices: Sequence[jax.Device]):
-        self._extended = self._extended_cls(self, devices)
+    def __init__(self, devices: Sequence[jax.Device], **extended_kwargs: Any):
+        self._extended = self._extended_cls(self, devices, **extended_kwargs)
         self._cluster_resolver = None
 
     # -- properties ----------------------------------------------------------------------
