@@ -148,3 +148,17 @@ def test_the_keras_internals_ps_fit_relies_on_exist():
     ps_hooks.build_fit_state(model, (x[:8], y[:8]))
     assert ps_hooks.fit_state_built(model)
     assert ps_hooks.unpack_x_y_sample_weight((x, y)) == (x, y, None)
+
+
+def test_main_job_without_ray_is_one_line(monkeypatch, capsys):
+    """`python -m distribute train --strategy parameter_server` without the [ps] extra: one line, exit 1."""
+    from distribute import cli
+    from distribute.parameter_server import cluster
+
+    def missing():
+        raise ImportError("ParameterServerStrategy runs on Ray, which is not installed. Install the extra: pip install 'jax-distribute[ps]'")
+
+    monkeypatch.setattr(cluster, "import_ray", missing)
+    assert cli.main(["train", "--strategy", "parameter_server", "--epochs", "1"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["python -m distribute train: error: ParameterServerStrategy runs on Ray, which is not installed. Install the extra: pip install 'jax-distribute[ps]'"]

@@ -165,7 +165,10 @@ def make_strategy(name: str, replicas: int | None, num_workers: int | None = Non
     import distribute
 
     if name == "parameter_server":  # an embedded local Ray cluster (or RAY_ADDRESS's)
-        return distribute.ParameterServerStrategy(num_workers=num_workers, num_ps=num_ps)
+        try:
+            return distribute.ParameterServerStrategy(num_workers=num_workers, num_ps=num_ps)
+        except ImportError as err:
+            raise JobError(str(err)) from err
     if name == "default":
         return distribute.get_strategy()
     if name == "multi_worker_mirrored":  # the cluster from TF_CONFIG (python -m distribute.launch sets it)
