@@ -207,8 +207,9 @@ class Strategy:
         ``dataset`` must be batched with the global batch size: each element
         ``(global_batch, ...)`` becomes a PerReplica of ``(per_replica_batch, ...)``
         pieces, contiguous and in order.  A final partial batch is split as
-        evenly as possible (``ceil(n / replicas)`` per replica, in order, as TF)
-        and padded internally; the padding never shows.
+        evenly as possible (``ceil(n / replicas)`` per replica, in order, as TF:
+        3 rows over 2 replicas give 2 | 1), and every replica sees exactly its
+        rows (``strategy.run`` runs such a step per replica, ``uneven.py``).
 
         Raises:
             ValueError: ``dataset`` is not batched.
