@@ -132,7 +132,7 @@ def _worker(out_dir: str, backup_dir: str) -> None:
     from distribute.multi_worker import CommunicationOptions
 
     strategy = distribute.MultiWorkerMirroredStrategy(communication_options=CommunicationOptions(timeout_seconds=30))
-    me = strategy.extended._input_pipelines()[1]
+    me = strategy.extended.input_policy.input_pipelines()[1]
     extra = []
     if me == 1 and os.environ.get("BACKUP_TEST_KILL") == "1":
         def die():

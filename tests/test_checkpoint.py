@@ -403,7 +403,7 @@ def _worker(out_dir: str) -> None:
     from distribute.multi_worker import CommunicationOptions
 
     strategy = distribute.MultiWorkerMirroredStrategy(communication_options=CommunicationOptions(timeout_seconds=30))
-    me = strategy.extended._input_pipelines()[1]
+    me = strategy.extended.input_policy.input_pipelines()[1]
     model, optimizer = build(strategy)
     train(strategy, model, optimizer, 2)
     # TF's tutorial: the chief writes into the real directory, the others into a temporary one they delete.

@@ -296,7 +296,7 @@ def test_agree_seeds_covers_every_unseeded_shuffle_upstream(tmp_path):
         asked.append(list(bases))
         return [1000 + i for i in range(len(bases))]
 
-    strategy = SimpleNamespace(extended=SimpleNamespace(_agree_on_seeds=agree))
+    strategy = SimpleNamespace(extended=SimpleNamespace(input_policy=SimpleNamespace(agree_on_seeds=agree)))
     agree_seeds(strategy, combined)
     agree_seeds(strategy, files)
     agree_seeds(strategy, combined)  # already agreed: not asked again

@@ -38,7 +38,7 @@ def _worker(out_dir: str) -> None:
     saving_lib.save_weights_only = lambda model, filepath, *a, **k: (written.append(str(filepath)), real_weights(model, filepath, *a, **k))[1]
 
     strategy = distribute.MultiWorkerMirroredStrategy(communication_options=CommunicationOptions(timeout_seconds=30))
-    chief, me = strategy.extended.should_checkpoint, strategy.extended._input_pipelines()[1]
+    chief, me = strategy.extended.should_checkpoint, strategy.extended.input_policy.input_pipelines()[1]
     rng = np.random.default_rng(0)
     x, y = rng.normal(size=(32, 5)).astype(np.float32), rng.normal(size=(32, 2)).astype(np.float32)
     out = {"written": written, "weights": {}}

@@ -164,10 +164,10 @@ def _worker(scenario: str, out_dir: str) -> None:
 
     timeout = float(os.environ.get("MW_TIMEOUT", "60"))
     strategy = distribute.MultiWorkerMirroredStrategy(communication_options=CommunicationOptions(timeout_seconds=timeout))
-    me = strategy.extended._input_pipelines()[1]
+    me = strategy.extended.input_policy.input_pipelines()[1]
     out: dict = {
         "num_replicas": strategy.num_replicas_in_sync,
-        "pipelines": list(strategy.extended._input_pipelines()),
+        "pipelines": list(strategy.extended.input_policy.input_pipelines()),
         "should_checkpoint": strategy.extended.should_checkpoint,
         "num_local": len(strategy.extended.worker_devices),
     }

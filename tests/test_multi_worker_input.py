@@ -42,7 +42,7 @@ def _worker(out_dir: str) -> None:
     from distribute.data import Dataset, TextLineDataset
 
     strategy = distribute.MultiWorkerMirroredStrategy()
-    _, me = strategy.extended._input_pipelines()
+    _, me = strategy.extended.input_policy.input_pipelines()
     out: dict = {"shuffle": []}
     for case in shuffle_cases():
         dataset = Dataset.range(case["n"])

@@ -21,7 +21,7 @@ def test_single_local_worker(strategy, monkeypatch):
 
     assert strategy.num_replicas_in_sync == len(jax.devices())
     assert strategy.extended.should_checkpoint and strategy.extended.should_save_summary
-    assert strategy.extended._input_pipelines() == (1, 0)
+    assert strategy.extended.input_policy.input_pipelines() == (1, 0)
     assert strategy.cluster_resolver is not None
 
 

@@ -11,9 +11,9 @@ import contextlib
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 import jax
-import numpy as np
 
 from distribute import _context, sync_on_read
+from distribute.input.policy import InputPolicy
 from distribute.mesh import ReplicaMesh
 from distribute.values import DistributedValues, Mirrored, ReduceOp, is_distributed
 
@@ -34,6 +34,7 @@ class StrategyExtended:
     def __init__(self, strategy: "Strategy", devices: Sequence[jax.Device]):
         self._container_strategy = strategy
         self.replica_mesh = ReplicaMesh(devices)  # devices, mesh, shardings, placement (mesh.py)
+        self.input_policy = InputPolicy(self.replica_mesh)  # how input is split (input/policy.py)
         self.programs: dict = {}  # the compiled programs of run, by function and input signature (tracing.py)
         # XLA:CPU runs every virtual device's share of a program on one small thread
         # pool; with many collective programs queued, devices can wait on each
@@ -148,37 +149,6 @@ class StrategyExtended:
         if len(self._in_flight) > _MAX_STEPS_IN_FLIGHT:
             oldest = [a for a in jax.tree_util.tree_leaves(self._in_flight.popleft()) if isinstance(a, jax.Array) and not a.is_deleted()]
             jax.block_until_ready(oldest)
-
-    def _input_pipelines(self) -> tuple[int, int]:
-        """(number of input pipelines, this worker's pipeline id): one per worker."""
-        return 1, 0
-
-    def _shard_dataset(self, dataset: Any) -> Any:
-        """This worker's share of a dataset (all of it with one worker)."""
-        return dataset
-
-    def _dataset_batches(self, dataset: Any, rows_per_replica: int) -> Iterator[tuple[list, Any, np.ndarray | None]]:
-        """This worker's batches of a globally batched dataset, split between its replicas.
-
-        Yields ``(stacked, treedef, lengths)``: arrays ``(num_local_replicas,
-        rows_per_replica, ...)``, the element structure, and the real row count of
-        every replica in the job (None when nothing is padded).
-        """
-        from distribute.input.splitting import split_batch
-
-        num_local = len(self.replica_mesh.local_devices)
-        for element in self._shard_dataset(dataset):
-            leaves, treedef = jax.tree_util.tree_flatten(element)
-            stacked, lengths = split_batch(leaves, num_local, rows_per_replica)
-            yield stacked, treedef, lengths
-
-    def _dataset_cardinality(self, dataset: Any) -> int:
-        """Steps in one pass of ``experimental_distribute_dataset(dataset)``."""
-        return dataset.cardinality()
-
-    def _agree(self, batches: Iterator[tuple[list, Any, np.ndarray | None]]) -> Iterator[tuple[list, Any, np.ndarray | None]]:
-        """Makes every worker take the same number of steps (one worker: nothing to agree on)."""
-        return batches
 
 
 def _require_cross_replica(what: str, fix: str) -> None:

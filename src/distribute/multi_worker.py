@@ -31,6 +31,7 @@ import numpy as np
 from distribute._coordination import WorkerLostError  # noqa: F401  (raised by the strategy; public here)
 from distribute._coordination import _agree_on_seed, _Cluster, _Exchange, _join, _read_cluster
 from distribute.cluster import _env
+from distribute.input.policy import InputPolicy
 from distribute.strategy import Strategy, StrategyExtended
 
 DEFAULT_TIMEOUT_SECONDS = 300.0
@@ -86,6 +87,128 @@ class CommunicationOptions:
         return float(self.timeout_seconds or DEFAULT_TIMEOUT_SECONDS)
 
 
+class MultiWorkerInputPolicy(InputPolicy):
+    """Input across workers: sharding by ``AutoShardPolicy``, every global batch split over all
+    workers' replicas, and agreement on unseeded shuffles' seeds and on end-of-data at each step."""
+
+    def __init__(self, replica_mesh: Any, cluster: _Cluster, exchange: "_Exchange | None"):
+        super().__init__(replica_mesh)
+        self._cluster = cluster
+        self._exchange = exchange
+
+    def input_pipelines(self) -> tuple[int, int]:
+        return self._cluster.num_workers, self._cluster.worker_id
+
+    def shard_policy(self, dataset: Any) -> Any:
+        from distribute.data.options import AutoShardPolicy
+
+        try:
+            policy = dataset.options().experimental_distribute.auto_shard_policy
+        except AttributeError:
+            policy = AutoShardPolicy.AUTO
+        if policy == AutoShardPolicy.FILE and _reads_files(dataset):
+            return AutoShardPolicy.DATA  # one worker (more are split by file in input/distributed_dataset.py)
+        if policy == AutoShardPolicy.FILE:
+            raise ValueError(
+                f"auto_shard_policy=FILE needs a file-based dataset with at least num_workers="
+                f"{self._cluster.num_workers} files, but this dataset reads 0 files. Use "
+                "AutoShardPolicy.DATA (or AUTO), or shard the files yourself and use OFF."
+            )
+        if policy == AutoShardPolicy.AUTO:
+            return AutoShardPolicy.DATA  # as TF for a dataset that reads no files
+        return policy
+
+    def agree_on_seeds(self, seeds: list[int]) -> list[int]:
+        """Worker 0's ``seeds`` on every worker (the unseeded shuffles of a distributed dataset).
+
+        Raises:
+            ValueError: the workers built pipelines with different numbers of unseeded shuffles.
+        """
+        if self._exchange is None:
+            return seeds
+        payload = json.dumps([int(s) for s in seeds]).encode()
+        gathered = [json.loads(p) for p in self._exchange.all_gather(self._exchange.new_channel(), payload, "the input pipeline's shuffle seeds")]
+        if len({len(g) for g in gathered}) != 1:
+            raise ValueError(
+                f"The workers' input pipelines have different numbers of unseeded shuffles "
+                f"({[len(g) for g in gathered]}); every worker must build the same pipeline. Give each shuffle a seed."
+            )
+        return gathered[0]
+
+    def shard_dataset(self, dataset: Any) -> Any:
+        """The elements this worker reads (TF's AutoShardPolicy).
+
+        DATA (and AUTO, as TF for non-file sources): every worker reads every
+        global batch and keeps its replicas' rows of it (TF rebatches the global
+        batch B to B / num_workers per worker); OFF and HINT (there is no
+        shard hint to replace): every worker reads the whole dataset; FILE:
+        ValueError, there are no files to split.
+        """
+        self.shard_policy(dataset)
+        return dataset
+
+    def dataset_cardinality(self, dataset: Any) -> int:
+        from distribute.data.options import AutoShardPolicy
+
+        cardinality = dataset.cardinality()
+        if self.shard_policy(dataset) == AutoShardPolicy.DATA or cardinality < 0:
+            return cardinality
+        return cardinality * self._cluster.num_workers
+
+    def dataset_batches(self, dataset: Any, rows_per_replica: int) -> Iterator[tuple[list, Any, np.ndarray | None]]:
+        """Global split of each global batch; DATA keeps this worker's slice, OFF walks every worker's slice."""
+        from distribute.data.options import AutoShardPolicy
+        from distribute.input.splitting import split_batch
+
+        policy = self.shard_policy(dataset)
+        num_local, me = len(self.replica_mesh.local_devices), self._cluster.worker_id
+        workers = [me] if policy == AutoShardPolicy.DATA else range(self._cluster.num_workers)
+        for element in dataset:
+            leaves, treedef = jax.tree_util.tree_flatten(element)
+            stacked, lengths = split_batch(leaves, len(self.replica_mesh.devices), rows_per_replica)
+            for w in workers:
+                part = slice(w * num_local, (w + 1) * num_local)
+                local = [x[part] for x in stacked]
+                counts = np.full(num_local, local[0].shape[1] if local and local[0].ndim > 1 else 0, np.int64) if lengths is None else lengths[part]
+                yield local, treedef, counts
+
+    def agree(self, batches: Iterator) -> Iterator[tuple[list, Any, np.ndarray | None]]:
+        """Runs a step while any worker has data; workers without data feed empty, masked batches."""
+        exchange, num_local = self._exchange, len(self.replica_mesh.local_devices)
+        if exchange is None:
+            for stacked, treedef, counts in batches:
+                rows = stacked[0].shape[1] if stacked and stacked[0].ndim > 1 else 0
+                yield stacked, treedef, (None if counts is None or bool(np.all(counts == rows)) else counts)
+            return
+        channel = exchange.new_channel()
+        template = None
+        source = iter(batches)
+        step = 0
+        while True:
+            try:
+                stacked, treedef, counts = next(source)
+                if counts is None:
+                    counts = np.full(num_local, stacked[0].shape[1] if stacked else 0, np.int64)
+                spec = (treedef, [(x.shape, x.dtype.str) for x in stacked])
+                template = spec
+            except StopIteration:
+                stacked, counts, spec = None, np.zeros(num_local, np.int64), template
+            key = f"{channel}/{step}"
+            gathered = [pickle.loads(p) for p in exchange.all_gather(key, pickle.dumps((counts.tolist(), spec)), f"input step {step}")]
+            if step >= 2:
+                exchange.delete(f"{channel}/{step - 2}")
+            step += 1
+            lengths = np.asarray([n for worker_counts, _ in gathered for n in worker_counts], np.int64)
+            if not lengths.any():
+                return  # this step's keys stay: the others may not have read them yet
+            if stacked is None:
+                spec = spec or next(s for _, s in gathered if s is not None)
+                treedef, shapes = spec
+                stacked = [np.zeros(shape, np.dtype(dtype)) for shape, dtype in shapes]
+            rows = stacked[0].shape[1] if stacked and stacked[0].ndim > 1 else 0
+            yield stacked, treedef, (None if rows and bool(np.all(lengths == rows)) else lengths)
+
+
 class MultiWorkerExtended(StrategyExtended):
     """StrategyExtended over all workers' devices; see :class:`MultiWorkerMirroredStrategy`."""
 
@@ -93,6 +216,7 @@ class MultiWorkerExtended(StrategyExtended):
         super().__init__(strategy, devices)
         self._cluster = cluster
         self._exchange = exchange
+        self.input_policy = MultiWorkerInputPolicy(self.replica_mesh, cluster, exchange)
         self._tf_config = _env.Watch(_env.TF_CONFIG)  # as the strategy read it; checked at every step
 
     def record_dispatch(self, outputs: Any) -> None:
@@ -132,45 +256,6 @@ class MultiWorkerExtended(StrategyExtended):
     def experimental_should_init(self) -> bool:
         return True
 
-    def _input_pipelines(self) -> tuple[int, int]:
-        return self._cluster.num_workers, self._cluster.worker_id
-
-    def _policy(self, dataset: Any) -> Any:
-        from distribute.data.options import AutoShardPolicy
-
-        try:
-            policy = dataset.options().experimental_distribute.auto_shard_policy
-        except AttributeError:
-            policy = AutoShardPolicy.AUTO
-        if policy == AutoShardPolicy.FILE and _reads_files(dataset):
-            return AutoShardPolicy.DATA  # one worker (more are split by file in input/distributed_dataset.py)
-        if policy == AutoShardPolicy.FILE:
-            raise ValueError(
-                f"auto_shard_policy=FILE needs a file-based dataset with at least num_workers="
-                f"{self._cluster.num_workers} files, but this dataset reads 0 files. Use "
-                "AutoShardPolicy.DATA (or AUTO), or shard the files yourself and use OFF."
-            )
-        if policy == AutoShardPolicy.AUTO:
-            return AutoShardPolicy.DATA  # as TF for a dataset that reads no files
-        return policy
-
-    def _agree_on_seeds(self, seeds: list[int]) -> list[int]:
-        """Worker 0's ``seeds`` on every worker (the unseeded shuffles of a distributed dataset).
-
-        Raises:
-            ValueError: the workers built pipelines with different numbers of unseeded shuffles.
-        """
-        if self._exchange is None:
-            return seeds
-        payload = json.dumps([int(s) for s in seeds]).encode()
-        gathered = [json.loads(p) for p in self._exchange.all_gather(self._exchange.new_channel(), payload, "the input pipeline's shuffle seeds")]
-        if len({len(g) for g in gathered}) != 1:
-            raise ValueError(
-                f"The workers' input pipelines have different numbers of unseeded shuffles "
-                f"({[len(g) for g in gathered]}); every worker must build the same pipeline. Give each shuffle a seed."
-            )
-        return gathered[0]
-
     def _agree_on_shapes(self, local: list, what: str) -> list:
         """Every worker's ``local`` (a JSON-able list of shapes and dtypes), in worker order.
 
@@ -188,80 +273,6 @@ class MultiWorkerExtended(StrategyExtended):
             self._exchange.delete(previous)  # every worker has read it: they all wrote this round's key since
         self._previous_shape_channel = channel
         return gathered
-
-    def _shard_dataset(self, dataset: Any) -> Any:
-        """The elements this worker reads (TF's AutoShardPolicy).
-
-        DATA (and AUTO, as TF for non-file sources): every worker reads every
-        global batch and keeps its replicas' rows of it (TF rebatches the global
-        batch B to B / num_workers per worker); OFF and HINT (there is no
-        shard hint to replace): every worker reads the whole dataset; FILE:
-        ValueError, there are no files to split.
-        """
-        self._policy(dataset)
-        return dataset
-
-    def _dataset_cardinality(self, dataset: Any) -> int:
-        from distribute.data.options import AutoShardPolicy
-
-        cardinality = dataset.cardinality()
-        if self._policy(dataset) == AutoShardPolicy.DATA or cardinality < 0:
-            return cardinality
-        return cardinality * self._cluster.num_workers
-
-    def _dataset_batches(self, dataset: Any, rows_per_replica: int) -> Iterator[tuple[list, Any, np.ndarray | None]]:
-        """Global split of each global batch; DATA keeps this worker's slice, OFF walks every worker's slice."""
-        from distribute.data.options import AutoShardPolicy
-        from distribute.input.splitting import split_batch
-
-        policy = self._policy(dataset)
-        num_local, me = len(self.replica_mesh.local_devices), self._cluster.worker_id
-        workers = [me] if policy == AutoShardPolicy.DATA else range(self._cluster.num_workers)
-        for element in dataset:
-            leaves, treedef = jax.tree_util.tree_flatten(element)
-            stacked, lengths = split_batch(leaves, len(self.replica_mesh.devices), rows_per_replica)
-            for w in workers:
-                part = slice(w * num_local, (w + 1) * num_local)
-                local = [x[part] for x in stacked]
-                counts = np.full(num_local, local[0].shape[1] if local and local[0].ndim > 1 else 0, np.int64) if lengths is None else lengths[part]
-                yield local, treedef, counts
-
-    def _agree(self, batches: Iterator) -> Iterator[tuple[list, Any, np.ndarray | None]]:
-        """Runs a step while any worker has data; workers without data feed empty, masked batches."""
-        exchange, num_local = self._exchange, len(self.replica_mesh.local_devices)
-        if exchange is None:
-            for stacked, treedef, counts in batches:
-                rows = stacked[0].shape[1] if stacked and stacked[0].ndim > 1 else 0
-                yield stacked, treedef, (None if counts is None or bool(np.all(counts == rows)) else counts)
-            return
-        channel = exchange.new_channel()
-        template = None
-        source = iter(batches)
-        step = 0
-        while True:
-            try:
-                stacked, treedef, counts = next(source)
-                if counts is None:
-                    counts = np.full(num_local, stacked[0].shape[1] if stacked else 0, np.int64)
-                spec = (treedef, [(x.shape, x.dtype.str) for x in stacked])
-                template = spec
-            except StopIteration:
-                stacked, counts, spec = None, np.zeros(num_local, np.int64), template
-            key = f"{channel}/{step}"
-            gathered = [pickle.loads(p) for p in exchange.all_gather(key, pickle.dumps((counts.tolist(), spec)), f"input step {step}")]
-            if step >= 2:
-                exchange.delete(f"{channel}/{step - 2}")
-            step += 1
-            lengths = np.asarray([n for worker_counts, _ in gathered for n in worker_counts], np.int64)
-            if not lengths.any():
-                return  # this step's keys stay: the others may not have read them yet
-            if stacked is None:
-                spec = spec or next(s for _, s in gathered if s is not None)
-                treedef, shapes = spec
-                stacked = [np.zeros(shape, np.dtype(dtype)) for shape, dtype in shapes]
-            rows = stacked[0].shape[1] if stacked and stacked[0].ndim > 1 else 0
-            yield stacked, treedef, (None if rows and bool(np.all(lengths == rows)) else lengths)
-
 
 class MultiWorkerMirroredStrategy(Strategy):
     """Synchronous training on every device of every worker (tf.distribute.MultiWorkerMirroredStrategy).

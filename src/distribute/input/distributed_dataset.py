@@ -55,7 +55,7 @@ def agree_seeds(strategy: Any, dataset: Any) -> None:
     Under DATA sharding every worker reads every global batch and keeps its own
     replicas' rows, so all workers must shuffle alike.
     """
-    agree = getattr(strategy.extended, "_agree_on_seeds", None)
+    agree = strategy.extended.input_policy.agree_on_seeds
     streams = [s for s in dataset._seeds if not s.agreed]
     if agree is None or not streams:
         return
@@ -134,9 +134,9 @@ class DistributedDataset:
         ext = strategy.extended
 
         def batches(codec):
-            return ext._agree(ext._dataset_batches(_Encoded(dataset, codec), rows))
+            return ext.input_policy.agree(ext.input_policy.dataset_batches(_Encoded(dataset, codec), rows))
 
-        cardinality = ext._dataset_cardinality(dataset)
+        cardinality = ext.input_policy.dataset_cardinality(dataset)
         spec = lambda: specs.per_replica(
             specs.split_global(dataset.element_spec, info, num_replicas), len(ext.replica_mesh.local_devices), num_replicas)
         distributed = cls(strategy, batches, rows, options, cardinality, spec)
@@ -152,7 +152,7 @@ class DistributedDataset:
             ids = [ext.replica_mesh.devices.index(d) for d in ext.replica_mesh.local_devices]
             made = [dataset_fn(InputContext(strategy.num_replicas_in_sync, i, strategy.num_replicas_in_sync)) for i in ids]
         else:
-            num_workers, worker_id = ext._input_pipelines()
+            num_workers, worker_id = ext.input_policy.input_pipelines()
             made = [dataset_fn(InputContext(num_workers, worker_id, strategy.num_replicas_in_sync))]
         datasets = [as_dataset(d, "distribute_datasets_from_function's dataset_fn result") for d in made]
         infos = [d._batch_info for d in datasets]
@@ -161,7 +161,7 @@ class DistributedDataset:
             raise ValueError("distribute_datasets_from_function: some dataset_fn results are batched and some are "
                              "not; return datasets of one kind.")
         rows = 0 if unbatched else max(b for b, _ in infos)
-        if unbatched and ext._input_pipelines()[0] > 1:
+        if unbatched and ext.input_policy.input_pipelines()[0] > 1:
             raise NotImplementedError(
                 "distribute_datasets_from_function with an unbatched dataset_fn result is supported with one "
                 "worker; with several, batch each worker's dataset with the per-replica batch size "
@@ -192,7 +192,7 @@ class DistributedDataset:
                     return
 
         def batches(codec):
-            return ext._agree(local_batches(codec))
+            return ext.input_policy.agree(local_batches(codec))
 
         cardinality = datasets[0].cardinality() if len(datasets) == 1 else -2
         if len(datasets) == 1 and cardinality >= 0:
@@ -243,7 +243,7 @@ def _file_sharded(strategy: Any, dataset: Any, info: tuple[int, bool]) -> Any | 
     from distribute.data._files import shard_by_files
     from distribute.data._foreign import tf_shard_by_files
 
-    num_workers, worker_id = strategy.extended._input_pipelines()
+    num_workers, worker_id = strategy.extended.input_policy.input_pipelines()
     policy = dataset.options().experimental_distribute.auto_shard_policy
     if num_workers == 1 or policy not in (AutoShardPolicy.FILE, AutoShardPolicy.AUTO):
         return None
