@@ -9,7 +9,7 @@ compiled steps go over gloo on CPU (NCCL on GPU).
 Input: each worker feeds only its replicas' share of every global batch.  Before
 each step the workers exchange their batch sizes through the coordination
 service's key-value store (a few bytes, with a timeout): a step runs while any
-worker still has data, workers without data feed empty, fully masked batches,
+worker still has data, workers without data give their replicas no rows (the exact uneven step),
 and all of them stop together, so uneven input never hangs.  A worker that does
 not answer within ``CommunicationOptions.timeout_seconds`` is named in the error;
 a worker that dies is detected by the coordination service's heartbeats within
@@ -173,7 +173,7 @@ class MultiWorkerInputPolicy(InputPolicy):
                 yield local, treedef, counts
 
     def agree(self, batches: Iterator) -> Iterator[tuple[list, Any, np.ndarray | None]]:
-        """Runs a step while any worker has data; workers without data feed empty, masked batches."""
+        """Runs a step while any worker has data; workers without data give their replicas no rows."""
         exchange, num_local = self._exchange, len(self.replica_mesh.local_devices)
         if exchange is None:
             for stacked, treedef, counts in batches:
