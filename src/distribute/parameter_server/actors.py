@@ -9,10 +9,18 @@ A ps applies each update as it arrives (Ray runs one method of an actor at a
 time, so an update is atomic): optimizer updates run the exported apply program
 on the ps's *current* values and optimizer state; ``deltas`` are added (exact
 totals under asynchrony); ``sets`` overwrite (last writer wins).
+
+Every update carries the id of its closure, and a ps applies each closure's
+update at most once.  A worker that dies while pushing may have reached some ps
+and not others; the closure runs again elsewhere (TF's at-least-once), and the
+ps that already have its update skip the repeat.  So every variable takes each
+scheduled step exactly once, where TF can apply a re-run step twice to some
+variables and once to others.
 """
 
 from __future__ import annotations
 
+import collections
 import itertools
 from typing import Any
 
@@ -20,6 +28,11 @@ import numpy as np
 
 from distribute.parameter_server.errors import OutOfRangeError
 from distribute.parameter_server.worker_context import worker_index_scope
+
+
+# A re-run closure reaches the ps within seconds of the failure; remembering the last
+# 2**16 applied closures (about 4 MB) covers that with a wide margin.
+_REMEMBERED_CLOSURES = 1 << 16
 
 
 def _load(cache: dict, program_id: int, box: list) -> Any:
@@ -45,6 +58,8 @@ class ParameterServer:
         self._values: dict[int, np.ndarray] = {}
         self._programs: dict[int, Any] = {}
         self._num_updates = 0
+        self._applied: set[int] = set()
+        self._applied_order: collections.deque[int] = collections.deque()
 
     def ping(self) -> int:
         return self._task_id
@@ -62,8 +77,17 @@ class ParameterServer:
     def num_updates(self) -> int:
         return self._num_updates
 
-    def update(self, applies: list, deltas: list, sets: list) -> None:
-        """Applies one step's updates: optimizer programs, then additive deltas, then sets."""
+    def update(self, closure_id: int, applies: list, deltas: list, sets: list) -> None:
+        """Applies one step's updates: optimizer programs, then additive deltas, then sets.
+
+        A second update for the same ``closure_id`` (a re-run closure) is skipped.
+        """
+        if closure_id in self._applied:
+            return
+        self._applied.add(closure_id)
+        self._applied_order.append(closure_id)
+        if len(self._applied_order) > _REMEMBERED_CLOSURES:
+            self._applied.discard(self._applied_order.popleft())
         for program_id, box, owned, written, foreign_vals, grads in applies:
             program = _load(self._programs, program_id, box)
             owned_vals = [_rows([self._values[k] for k in keys]) for keys in owned]
@@ -110,8 +134,11 @@ class Worker:
         leaves, treedef = jax.tree_util.tree_flatten(first)
         return treedef, [(tuple(np.shape(x)), np.asarray(x).dtype.str) for x in leaves]
 
-    def run(self, plan: Any, box: list, args: list) -> list:
+    def run(self, closure_id: int, plan: Any, box: list, args: list) -> list:
         """Pulls the variables ``plan`` reads, runs the step program, pushes its updates.
+
+        ``closure_id`` identifies the scheduled call (the same on a re-run), so that
+        each ps applies its update once.
 
         Returns the program's results as numpy arrays (copied to the coordinator).
         """
@@ -147,10 +174,10 @@ class Worker:
                     iter_vals.append(leaf.astype(dtype, copy=False))
         outs = program.call(read_vals, iter_vals, list(args))
         outs = [np.asarray(x) for x in outs]
-        self._push(plan, outs, pulled)
+        self._push(closure_id, plan, outs, pulled)
         return outs[: plan.num_results]
 
-    def _push(self, plan: Any, outs: list, pulled: dict) -> None:
+    def _push(self, closure_id: int, plan: Any, outs: list, pulled: dict) -> None:
         import ray
 
         per_ps: dict[int, tuple[list, list, list]] = {}
@@ -164,4 +191,4 @@ class Worker:
                 for j, key, a, b in shards:
                     part = value if a is None else value[a:b]
                     per_ps.setdefault(j, ([], [], []))[kind].append((key, part))
-        ray.get([self._ps[j].update.remote(*lists) for j, lists in per_ps.items()])
+        ray.get([self._ps[j].update.remote(closure_id, *lists) for j, lists in per_ps.items()])

@@ -11,8 +11,9 @@ a ps actor died (also when a worker's call to it died)  ``PSUnavailableError`` n
                                                        the next schedule/join/done; queued closures
                                                        cancelled
 this worker's actor died or is restarting              the closure goes back on the queue (any worker
-                                                       may run it: at-least-once), the worker's
-                                                       iterators are rebuilt once Ray restarted it
+                                                       may run it: at-least-once; each ps applies its
+                                                       update once), the worker's iterators are
+                                                       rebuilt once Ray restarted it
 the function raised                                    its error, with its own type, raised by the next
                                                        schedule/join/done; queued closures cancelled
 =====================================================  ==============================================
@@ -21,6 +22,7 @@ the function raised                                    its error, with its own t
 from __future__ import annotations
 
 import collections
+import itertools
 import threading
 import time
 from typing import Any
@@ -36,6 +38,7 @@ from distribute.parameter_server.values import RemoteValue
 
 _WORKER_RECOVERY_SECONDS = 600.0  # TF waits up to an hour (_WORKER_MAXIMUM_RECOVERY_SEC)
 _PING_SECONDS = 5.0
+_CLOSURE_IDS = itertools.count()
 
 
 class Closure:
@@ -43,6 +46,7 @@ class Closure:
 
     def __init__(self, step: Any, args: list, remote_value: RemoteValue):
         self.step, self.args, self.remote_value = step, args, remote_value
+        self.id = next(_CLOSURE_IDS)  # the same on a re-run: each ps applies the update once
 
     def cancel(self) -> None:
         self.remote_value._set_error(CancelledError(CANCELLED_MESSAGE))
@@ -180,7 +184,7 @@ class WorkerThread:
 
         step = closure.step
         try:
-            outs = ray.get(self.actor.run.remote(step.plan, step.box, closure.args))
+            outs = ray.get(self.actor.run.remote(closure.id, step.plan, step.box, closure.args))
         except Exception as error:  # noqa: BLE001 - classified below
             kind, cause = self._cluster.classify(error)
             if kind == "worker":

@@ -73,7 +73,9 @@ class ClusterCoordinator:
         ``fn`` is a plain Python function, traced on the coordinator once per input
         signature (as TF traces a ``tf.function``): array arguments are inputs,
         Python values are constants, a per-worker iterator gives the executing
-        worker's elements.  It runs at least once (more if a worker is lost midway).
+        worker's elements.  It runs at least once (more if a worker is lost midway,
+        as in TF), but its variable updates take effect exactly once: each ps
+        skips a re-run's update it already applied.
 
         Raises:
             TypeError: ``fn`` is not callable (TF's message).
