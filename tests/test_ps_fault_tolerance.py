@@ -90,7 +90,7 @@ def test_worker_killed_mid_training_every_step_takes_effect(cluster, ray_instanc
     steps = 300
     recoveries = strategy.extended._cluster.recoveries
     results = [coordinator.schedule(train_fn, args=(iterator,)) for _ in range(steps)]
-    time.sleep(0.3)
+    results[10].fetch()  # training is under way; 289 steps (a Ray round trip each) are still to run
     assert not coordinator.done()
     ray_instance.kill(strategy.extended._cluster.workers[1], no_restart=False)
     _join_within(coordinator)
