@@ -168,7 +168,9 @@ class Strategy:
 
         Padding of partial batches is removed: with 2 replicas, the last batch of
         ``range(5).batch(4)`` gives ``([4], [])``.  A non-distributed value gives
-        ``(value,)``; a variable created in scope, its value once per local replica;
+        ``(value,)``, a nested structure (list, tuple, dict) one copy per local replica
+        with its distributed leaves split, as TF; a variable created in scope, its
+        value once per local replica;
         a SyncOnRead variable, its replicas' copies (as TF's
         SyncOnReadVariable; see ``sync_on_read.py``).
         """
@@ -179,9 +181,11 @@ class Strategy:
             # A MirroredVariable: the same value on every local replica (TF: its components).
             return (value.value,) * len(self._extended.replica_mesh.local_devices)
         leaves, treedef = jax.tree_util.tree_flatten(value, is_leaf=is_distributed)
-        if any(isinstance(leaf, DistributedValues) for leaf in leaves):
-            per_leaf = [leaf.values if isinstance(leaf, DistributedValues) else (leaf,) * len(self._extended.replica_mesh.local_devices) for leaf in leaves]
-            return tuple(jax.tree_util.tree_unflatten(treedef, list(parts)) for parts in zip(*per_leaf))
+        if any(isinstance(leaf, DistributedValues) for leaf in leaves) or isinstance(value, (list, tuple, dict)):
+            # TF: a nested structure gives one copy per local replica, its distributed leaves split.
+            n = len(self._extended.replica_mesh.local_devices)
+            per_leaf = [leaf.values if isinstance(leaf, DistributedValues) else (leaf,) * n for leaf in leaves]
+            return tuple(jax.tree_util.tree_unflatten(treedef, [parts[i] for parts in per_leaf]) for i in range(n))
         return (value,)
 
     def experimental_distribute_values_from_function(self, value_fn: Callable[[ValueContext], Any]) -> Any:
