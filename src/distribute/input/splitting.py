@@ -90,6 +90,14 @@ def stack_elements(elements: list[list[np.ndarray]], num_replicas: int, rows_per
     out = []
     for j in range(len(elements[0])):
         first = np.asarray(elements[0][j])
+        shapes = [tuple(np.shape(element[j])[1:]) for element in elements]
+        if len(set(shapes)) > 1:
+            raise NotImplementedError(
+                f"distribute_datasets_from_function: the replicas' elements differ beyond the batch dimension "
+                f"(per-replica shapes after the batch dimension: {shapes}); TF runs such replicas with different "
+                "shapes, this strategy needs them equal. Pad every replica's batches to one shape, e.g. "
+                "dataset.padded_batch(batch_size, padded_shapes=...) with the largest shape."
+            )
         padded = np.zeros((num_replicas, width, *first.shape[1:]), dtype=first.dtype)
         for r, element in enumerate(elements):
             x = np.asarray(element[j])
