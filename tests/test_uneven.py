@@ -126,13 +126,16 @@ def test_an_error_in_one_replica_is_raised_and_others_stop():
     assert local_lists(s, s.run(lambda v: _ctx().all_reduce("SUM", jnp.sum(v)), args=(x,))) == [18.0, 18.0]
 
 
-def test_collective_under_jit_in_uneven_step_is_a_clear_error():
+def test_collective_under_jit_in_uneven_step_is_exact_and_under_vmap_a_clear_error():
     import jax
 
     s = mirrored(2)
     x = _first_batch(s, (5.0, 6.0, 7.0), 4)
+    # On one worker the replica programs are compiled and a collective is a callback: jit inside works.
+    got = s.run(lambda v: jax.jit(lambda u: _ctx().all_reduce("SUM", jnp.sum(u)))(v), args=(x,))
+    assert local_lists(s, got) == [18.0, 18.0]
     with pytest.raises(TypeError, match="under a JAX transformation"):
-        s.run(lambda v: jax.jit(lambda u: _ctx().all_reduce("SUM", jnp.sum(u)))(v), args=(x,))
+        s.run(lambda v: jax.vmap(lambda u: _ctx().all_reduce("SUM", u))(v), args=(x,))
 
 
 # -- BatchNorm -------------------------------------------------------------------------------

@@ -30,6 +30,7 @@ import dataclasses
 from typing import Any, Callable
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -318,18 +319,32 @@ def _run_uneven(strategy, fn, treedef, kinds, dynamic, statics, key, lengths) ->
 
     def body(context: uneven.ThreadedReplicaContext):
         local = context._local
-        dyn, stat = iter(slices), iter(statics)
-        leaves = [next(stat) if kind == _STATIC else next(dyn)[local] for kind in kinds]
-        args, kwargs = jax.tree_util.tree_unflatten(treedef, leaves)
-        scope = LiftingScope({id(v): _local_value(v, context._device) for v in known}, device=context._device)
-        with scope:
-            result = fn(*args, **kwargs)
-        written = list(program.write_vars) + [v for i, v in scope.written.items() if all(w is not v for w in program.write_vars)]
-        old = [_local_value(v, context._device) for v in written]
-        new = [scope.state_mapping[id(v)] if id(v) in scope.written else o for v, o in zip(written, old)]
-        combined = sync_on_read.combine_all(context, written, new, old, frozenset(scope.plain))
-        out_leaves, out_tree = jax.tree_util.tree_flatten(result, is_leaf=_is_keras_variable)
-        out_leaves = [x if _is_python_constant(x) else _as_output(x) for x in out_leaves]
+        dynamic_local = [d[local] for d in slices]
+        known_vals = [_local_value(v, context._device) for v in known]
+        local_program = None if multi_process else _local_program(strategy, fn, treedef, kinds, statics, key, known, program.write_vars, context, known_vals, dynamic_local)
+        if context._agree(local_program is not None):
+            replica_id = jax.device_put(jnp.asarray(context._replica, jnp.int32), context._device)
+            new_vals, arrays = jax.block_until_ready(local_program.compiled(known_vals, dynamic_local, replica_id))
+            written, out_tree, plain = local_program.written, local_program.out_tree, local_program.plain
+            arrays = iter(arrays)
+            out_leaves = [static if kind == _STATIC_OUT else next(arrays) for kind, static in zip(local_program.out_kinds, local_program.out_statics)]
+            by_id = {id(v): x for v, x in zip(known, known_vals)}
+            old = [by_id[id(v)] for v in written]
+            new = list(new_vals)
+        else:
+            dyn, stat = iter(dynamic_local), iter(statics)
+            leaves = [next(stat) if kind == _STATIC else next(dyn) for kind in kinds]
+            args, kwargs = jax.tree_util.tree_unflatten(treedef, leaves)
+            scope = LiftingScope({id(v): x for v, x in zip(known, known_vals)}, device=context._device)
+            with scope:
+                result = fn(*args, **kwargs)
+            written = list(program.write_vars) + [v for i, v in scope.written.items() if all(w is not v for w in program.write_vars)]
+            old = [_local_value(v, context._device) for v in written]
+            new = [scope.state_mapping[id(v)] if id(v) in scope.written else o for v, o in zip(written, old)]
+            plain = frozenset(scope.plain)
+            out_leaves, out_tree = jax.tree_util.tree_flatten(result, is_leaf=_is_keras_variable)
+            out_leaves = [x if _is_python_constant(x) else _as_output(x) for x in out_leaves]
+        combined = sync_on_read.combine_all(context, written, new, old, plain)
         rows = None
         if multi_process and out_leaves:
             rows = context._everyones(jnp.asarray([np.shape(x)[0] if np.ndim(x) else -1 for x in out_leaves], jnp.int32))
@@ -366,6 +381,75 @@ def _run_uneven(strategy, fn, treedef, kinds, dynamic, statics, key, lengths) ->
         array, lengths_out = collectives.per_replica_from_local(strategy, values, rows)
         outputs.append(PerReplica._from_array(strategy, array, lengths_out))
     return jax.tree_util.tree_unflatten(out_tree, outputs)
+
+
+@dataclasses.dataclass
+class _LocalProgram:
+    """One replica's part of an uneven step, compiled for its shapes (replicas of one shape share it)."""
+
+    compiled: Any
+    written: list
+    plain: frozenset
+    out_tree: Any
+    out_kinds: list
+    out_statics: list
+
+
+_EAGER = "eager"  # cached in place of a _LocalProgram: this code runs eagerly per replica
+
+
+def _local_program(strategy, fn, treedef, kinds, statics, key, known, write_vars, context, known_vals, dynamic_local) -> "_LocalProgram | None":
+    """Compiles ``fn`` for this replica's real shapes, its collectives as host callbacks (uneven.py).
+
+    Returns None where ``fn`` cannot be one program for a replica: a Python value
+    of a traced array, an ``all_gather``, a variable it reads that the step's
+    discovery did not see; the replicas then run it eagerly.
+    """
+    signature = tuple((tuple(np.shape(x)), np.asarray(x).dtype if not isinstance(x, jax.Array) else x.dtype) for x in dynamic_local)
+    cache_key = ("uneven-local", key, signature)
+    ext = strategy.extended
+    cached = ext.programs.get(cache_key)
+    if cached is not None:
+        return None if cached is _EAGER else cached
+    record: dict = {}
+
+    def local_fn(known_in, dynamic_in, replica_id):
+        dyn, stat = iter(dynamic_in), iter(statics)
+        leaves = [next(stat) if kind == _STATIC else next(dyn) for kind in kinds]
+        args, kwargs = jax.tree_util.tree_unflatten(treedef, leaves)
+        scope = LiftingScope({id(v): x for v, x in zip(known, known_in)})
+        with context._tracing_replica_id(replica_id), context._compiling(), scope:
+            result = fn(*args, **kwargs)
+        written = list(write_vars) + [v for i, v in scope.written.items() if all(w is not v for w in write_vars)]
+        by_id = {id(v): x for v, x in zip(known, known_in)}
+        if scope.missing or any(id(v) not in by_id for v in written):
+            raise uneven.NeedsEager("a variable the discovery did not see")
+        out_leaves, record["out_tree"] = jax.tree_util.tree_flatten(result, is_leaf=_is_keras_variable)
+        record["written"], record["plain"] = written, frozenset(scope.plain)
+        record["out_kinds"] = [_STATIC_OUT if _is_python_constant(x) else _ARRAY_OUT for x in out_leaves]
+        record["out_statics"] = [x if _is_python_constant(x) else None for x in out_leaves]
+        new = [scope.state_mapping[id(v)] if id(v) in scope.written else by_id[id(v)] for v in written]
+        return [jnp.asarray(n, dtype=v.dtype) for n, v in zip(new, written)], [_as_output(x) for x in out_leaves if not _is_python_constant(x)]
+
+    replica_id = jax.device_put(jnp.asarray(context._replica, jnp.int32), context._device)
+    try:
+        traced = jax.jit(local_fn).trace(known_vals, dynamic_local, replica_id)
+    except Exception:  # noqa: BLE001 - any code the tracer cannot take runs eagerly, as before
+        ext.programs[cache_key] = _EAGER
+        return None
+    finally:
+        initialize_all_variables()
+    # Traced once per shape; compiled once per device from the traced program (jit's cache).
+    flat = jax.jit(jax.extend.core.jaxpr_as_fun(traced.jaxpr))
+    num_written = len(record["written"])
+
+    def compiled(known_in, dynamic_in, replica_id):
+        outs = flat(*known_in, *dynamic_in, replica_id)
+        return outs[:num_written], outs[num_written:]
+
+    program = _LocalProgram(compiled=compiled, **record)
+    ext.programs[cache_key] = program
+    return program
 
 
 def _dynamic_kinds(kinds: list) -> list:

@@ -14,9 +14,17 @@ strategy's mesh, so it spans workers too (every worker's threads make the same
 calls in the same order).
 
 Collectives are differentiable (``jax.custom_vjp``: the gradient of a sum is a
-sum), so a loss that all-reduces inside ``compute_gradients`` works.  They need
-concrete values: a collective under ``jax.jit``, ``vmap`` or ``lax.scan`` inside
-an uneven step raises TypeError.
+sum), so a loss that all-reduces inside ``compute_gradients`` works.
+
+On one worker, each replica's function is compiled (once per replica shape; the
+replica id is an argument, so replicas of one shape share the program) and its
+collectives become ordered host callbacks (``io_callback``) that meet the other
+replicas' programs, each running on its own device, and add up in numpy.  Code
+that cannot be compiled (an ``all_gather``, a Python branch on a value) runs
+eagerly on every replica instead; all replicas of a step agree on which.  Across
+workers the replicas run eagerly and a collective is one compiled program over the
+mesh; there, and in eager code, a collective under ``jax.jit``, ``vmap`` or
+``lax.scan`` raises TypeError.
 
 Nothing here pads anything: padding exists only inside ``PerReplica`` storage,
 where nothing can observe it.
@@ -39,6 +47,14 @@ from distribute.replica import ReplicaContext
 from distribute.values import ReduceOp
 
 MEETING_TIMEOUT_SECONDS = 300.0
+
+# id(strategy.extended) -> the running uneven step's replica contexts, by local index:
+# where a compiled replica program's collective callback finds the replica it runs for.
+_RUNNING: dict[int, list] = {}
+
+
+class NeedsEager(Exception):
+    """Raised while compiling a replica's program: this code runs eagerly instead."""
 
 
 class _Aborted(Exception):
@@ -151,8 +167,24 @@ class ThreadedReplicaContext(ReplicaContext):
         self._device = strategy.extended.replica_mesh.local_devices[local_index]
         self._first = replica - local_index
         self._traced_replica_id = None
+        self._callbacks = False  # collectives under a trace become host callbacks
+        self._callback_error: BaseException | None = None
 
     _runs_eagerly = True
+
+    @contextlib.contextmanager
+    def _compiling(self) -> Iterator[None]:
+        """While this replica's program is traced, its collectives are host callbacks (one worker only)."""
+        previous, self._callbacks = self._callbacks, jax.process_count() == 1
+        try:
+            yield
+        finally:
+            self._callbacks = previous
+
+    def _agree(self, compiled: bool) -> bool:
+        """True when every local replica has a compiled program for this step (else all run eagerly)."""
+        self._calls += 1
+        return bool(self._meeting.exchange(self._local, compiled, lambda flags: [all(flags)] * len(flags)))
 
     @property
     def replica_id_in_sync_group(self) -> Any:
@@ -170,16 +202,47 @@ class ThreadedReplicaContext(ReplicaContext):
             self._traced_replica_id = previous
 
     # -- the meeting ------------------------------------------------------------------
-    def _meet(self, value: Any, combine: Callable[[list], list], what: str) -> Any:
-        for leaf in jax.tree_util.tree_leaves(value):
-            if isinstance(leaf, jax.core.Tracer):
-                raise TypeError(
+    def _traced(self, leaves: list) -> bool:
+        """True when ``leaves`` are traced and the collective becomes a callback of the program."""
+        if not any(isinstance(leaf, jax.core.Tracer) for leaf in leaves):
+            return False
+        if self._callbacks:
+            return True
+        raise self._under_transformation()
+
+    def _meet_in_program(self, leaves: list, what: str, combine: Callable[[list], list], result_specs: list) -> list:
+        """The collective as an ordered host callback: the executing replica meets the others there.
+
+        ``combine`` gets every local replica's numpy values and returns one result
+        list per replica, shaped as ``result_specs``.
+        """
+        key, first = id(self._strategy.extended), self._first
+
+        def host(replica_id, *values):
+            context = _RUNNING[key][int(replica_id) - first]
+            try:
+                out = context._meet([np.asarray(v) for v in values], combine, what)
+            except BaseException as err:
+                context._callback_error = err
+                raise
+            return [np.asarray(x, dtype=spec.dtype) for x, spec in zip(out, result_specs)]
+
+        from jax.experimental import io_callback
+
+        return list(io_callback(host, result_specs, self.replica_id_in_sync_group, *leaves, ordered=True))
+
+    def _under_transformation(self) -> TypeError:
+        return TypeError(
                     "A collective (all_reduce, all_gather, or an optimizer's gradient sum) was called "
                     "under a JAX transformation (jax.jit, vmap, lax.scan, lax.cond) inside an uneven step. "
                     "In an uneven step (a batch that does not divide between the replicas) every replica "
                     "runs eagerly on its own rows, and collectives need concrete values: call them outside "
                     "the transformation, or drop the uneven batch (batch(..., drop_remainder=True))."
                 )
+
+    def _meet(self, value: Any, combine: Callable[[list], list], what: str) -> Any:
+        if any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree_util.tree_leaves(value)):
+            raise self._under_transformation()
         self._calls += 1
         signature = (what, jax.tree_util.tree_structure(value))
 
@@ -201,6 +264,9 @@ class ThreadedReplicaContext(ReplicaContext):
         strategy = self._strategy
         leaves, treedef = jax.tree_util.tree_flatten(tree)
         leaves = [jnp.asarray(x) for x in leaves]
+        if self._traced(leaves):
+            specs = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves]
+            return jax.tree_util.tree_unflatten(treedef, self._meet_in_program(leaves, "all_reduce", _host_sum, specs))
 
         def combine(per_replica: list) -> list:
             return collectives.sum_over_replicas(strategy, [list(col) for col in zip(*per_replica)])
@@ -215,18 +281,25 @@ class ThreadedReplicaContext(ReplicaContext):
         """Every replica's value of each (equal-shaped) leaf, on the host: ``(replicas, ...)`` each."""
         strategy = self._strategy
         leaves, treedef = jax.tree_util.tree_flatten(tree)
+        leaves = [jnp.asarray(x) for x in leaves]
+        if self._traced(leaves):
+            n = len(strategy.extended.replica_mesh.local_devices)
+            specs = [jax.ShapeDtypeStruct((n, *x.shape), x.dtype) for x in leaves]
+            return jax.tree_util.tree_unflatten(treedef, self._meet_in_program(leaves, "exchange", _host_stack, specs))
 
         def combine(per_replica: list) -> list:
             every = collectives.everyone(strategy, [list(col) for col in zip(*per_replica)])
             return [every] * len(per_replica)
 
-        return jax.tree_util.tree_unflatten(treedef, self._meet([jnp.asarray(x) for x in leaves], combine, "exchange"))
+        return jax.tree_util.tree_unflatten(treedef, self._meet(leaves, combine, "exchange"))
 
     def _gather_tree(self, tree: Any, axis: int) -> Any:
         """Concatenation of every replica's leaves along ``axis``, shapes may differ along it."""
         strategy = self._strategy
         leaves, treedef = jax.tree_util.tree_flatten(tree)
         leaves = [jnp.asarray(x) for x in leaves]
+        if self._traced(leaves):
+            raise NeedsEager("all_gather's result shape depends on the other replicas' shapes")
 
         def combine(per_replica: list) -> list:
             return collectives.gather_over_replicas(strategy, [list(col) for col in zip(*per_replica)], axis)
@@ -296,6 +369,18 @@ class ThreadedReplicaContext(ReplicaContext):
         return out
 
 
+def _host_sum(per_replica: list) -> list:
+    """Each leaf summed over the local replicas (in replica order), the same for every replica."""
+    totals = [np.sum(np.stack(col), axis=0, dtype=col[0].dtype) for col in zip(*per_replica)]
+    return [totals] * len(per_replica)
+
+
+def _host_stack(per_replica: list) -> list:
+    """Every local replica's value of each leaf, stacked: ``(replicas, ...)``."""
+    every = [np.stack(col) for col in zip(*per_replica)]
+    return [every] * len(per_replica)
+
+
 def _differentiable_sum(context: ThreadedReplicaContext) -> Callable:
     @jax.custom_vjp
     def total(tree):
@@ -360,26 +445,38 @@ def run_replicas(strategy: Any, body: Callable[[ThreadedReplicaContext], Any], r
     errors: list = [None] * num_local
     keras_state = copy_thread_state()
 
+    contexts = [
+        ThreadedReplicaContext(strategy, first + local, local, meeting, None if rows is None else int(rows[first + local]), global_rows)
+        for local in range(num_local)
+    ]
+
     def work(local: int) -> None:
-        replica = first + local
-        context = ThreadedReplicaContext(strategy, replica, local, meeting, None if rows is None else int(rows[replica]), global_rows)
+        context = contexts[local]
         try:
             keras_state.apply()
             with jax.default_device(ext.replica_mesh.local_devices[local]), _context.enter_replica(strategy, context):
                 results[local] = body(context)
-        except _Aborted:
-            errors[local] = _Aborted()
         except BaseException as err:  # noqa: BLE001 - re-raised by the caller's thread
+            # An error in a compiled program's collective reaches here wrapped by XLA: use the original.
+            err = context._callback_error or err
             errors[local] = err
-            meeting.abort()
+            if not isinstance(err, _Aborted):
+                meeting.abort()
         finally:
             meeting.finished(local, context._calls)
 
-    threads = [threading.Thread(target=contextvars.copy_context().run, args=(work, i), name=f"distribute-replica-{i}", daemon=True) for i in range(num_local)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    key = id(ext)
+    if key in _RUNNING:
+        raise RuntimeError("an uneven step of this strategy is already running: strategy.run cannot be nested or called from two threads at once.")
+    _RUNNING[key] = contexts
+    try:
+        threads = [threading.Thread(target=contextvars.copy_context().run, args=(work, i), name=f"distribute-replica-{i}", daemon=True) for i in range(num_local)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        del _RUNNING[key]
     real = [e for e in errors if e is not None and not isinstance(e, _Aborted)]
     if real:
         raise real[0]
