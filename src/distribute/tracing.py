@@ -27,6 +27,7 @@ BatchNorm's moving statistics sync-on-read MEAN variables).
 from __future__ import annotations
 
 import dataclasses
+import threading
 from typing import Any, Callable
 
 import jax
@@ -320,7 +321,7 @@ def _run_uneven(strategy, fn, treedef, kinds, dynamic, statics, key, lengths) ->
     def body(context: uneven.ThreadedReplicaContext):
         local = context._local
         dynamic_local = [d[local] for d in slices]
-        known_vals = [_local_value(v, context._device) for v in known]
+        known_vals = [_strongly_typed(_local_value(v, context._device)) for v in known]
         local_program = None if multi_process else _local_program(strategy, fn, treedef, kinds, statics, key, known, program.write_vars, context, known_vals, dynamic_local)
         if context._agree(local_program is not None):
             replica_id = jax.device_put(jnp.asarray(context._replica, jnp.int32), context._device)
@@ -396,6 +397,13 @@ class _LocalProgram:
 
 
 _EAGER = "eager"  # cached in place of a _LocalProgram: this code runs eagerly per replica
+_LOCAL_TRACE_LOCK = threading.Lock()
+
+
+def _strongly_typed(x: Any) -> Any:
+    """``x`` without JAX's weak type (a variable's first value may be weakly typed, its later ones not):
+    one compiled replica program serves every step."""
+    return lax.convert_element_type(x, x.dtype) if getattr(x, "weak_type", False) else x
 
 
 def _local_program(strategy, fn, treedef, kinds, statics, key, known, write_vars, context, known_vals, dynamic_local) -> "_LocalProgram | None":
@@ -406,7 +414,12 @@ def _local_program(strategy, fn, treedef, kinds, statics, key, known, write_vars
     discovery did not see; the replicas then run it eagerly.
     """
     signature = tuple((tuple(np.shape(x)), np.asarray(x).dtype if not isinstance(x, jax.Array) else x.dtype) for x in dynamic_local)
-    cache_key = ("uneven-local", key, signature)
+    # Replicas of one shape trace it once (the others wait here) and share the program.
+    with _LOCAL_TRACE_LOCK:
+        return _trace_local_program(strategy, fn, treedef, kinds, statics, ("uneven-local", key, signature), known, write_vars, context, known_vals, dynamic_local)
+
+
+def _trace_local_program(strategy, fn, treedef, kinds, statics, cache_key, known, write_vars, context, known_vals, dynamic_local) -> "_LocalProgram | None":
     ext = strategy.extended
     cached = ext.programs.get(cache_key)
     if cached is not None:
