@@ -88,8 +88,11 @@ def test_fit_rules_are_tfs(two_workers):
         model.fit(Dataset.from_tensor_slices((x, y)).repeat().batch(8), epochs=1)
     with pytest.raises(ValueError, match="`verbose=1` is not allowed with `ParameterServerStrategy`"):
         model.fit(x, y, epochs=1, steps_per_epoch=2, verbose=1)
-    with pytest.raises(NotImplementedError, match="Evaluation in `model.fit` with `ParameterServerStrategy`"):
-        model.fit(x, y, epochs=1, steps_per_epoch=2, verbose=0, validation_data=(x, y))
+    creator = distribute.DatasetCreator(lambda ctx: Dataset.from_tensor_slices((x, y)).repeat().batch(8))
+    with pytest.raises(ValueError, match="`steps_per_epoch`, `validation_steps`, `steps`, or `pss_evaluation_shards`"):
+        model.fit(x, y, epochs=1, steps_per_epoch=2, verbose=0, validation_data=creator)
+    with pytest.raises(ValueError, match="Expected `validation_freq` to be a positive int or a list"):
+        model.fit(x, y, epochs=1, steps_per_epoch=2, verbose=0, validation_data=(x, y), validation_freq=0)
 
     class PerBatch(keras.callbacks.Callback):
         def on_train_batch_end(self, batch, logs=None):
@@ -97,8 +100,10 @@ def test_fit_rules_are_tfs(two_workers):
 
     with pytest.raises(ValueError, match="Batch-level `Callback`s are not supported with `ParameterServerStrategy`"):
         model.fit(x, y, epochs=1, steps_per_epoch=2, verbose=0, callbacks=[PerBatch()])
-    with pytest.raises(NotImplementedError, match=r"Model.evaluate under ParameterServerStrategy is not supported yet"):
-        model.evaluate(x, y)
+    with pytest.raises(ValueError, match="Batch-level `Callback`s are not supported with `ParameterServerStrategy`"):
+        model.evaluate(x, y, verbose=0, callbacks=[PerBatch()])
+    with pytest.raises(ValueError, match="`verbose=1` is not allowed with `ParameterServerStrategy`"):
+        model.evaluate(x, y, verbose=1)
     model.run_eagerly = True
     with pytest.raises(ValueError, match="`run_eagerly` is not supported"):
         model.fit(x, y, epochs=1, steps_per_epoch=2, verbose=0)

@@ -93,6 +93,7 @@ def install() -> None:
     _patch(JaxVariable, "_direct_assign", _direct_assign)
     _patch(BaseOptimizer, "add_variable_from_reference", _add_variable_from_reference)
     _patch(BaseOptimizer, "apply", _optimizer_apply)
+    _patch(BaseOptimizer, "apply_gradients", _optimizer_apply_gradients)
     for name in ("fit", "evaluate", "predict"):
         _patch(JAXTrainer, name, functools.partial(_refuse_under_ps, name=name))
     _INSTALLED.append(True)
@@ -173,6 +174,15 @@ def _optimizer_apply(original):
         return None
 
     return apply
+
+
+def _optimizer_apply_gradients(original):
+    def apply_gradients(self, grads_and_vars):
+        if isinstance(get_stateless_scope(), PSTraceScope):
+            check_optimizer(self)  # before a wrapper's own apply() runs
+        return original(self, grads_and_vars)
+
+    return apply_gradients
 
 
 def _update_worker_copies(apply: Any, optimizer: Any, scope: PSTraceScope, grads: list, variables: list) -> None:

@@ -66,23 +66,6 @@ class Evaluation:
 
         self._test_batches, self._test_iterator = test_batches, test_iterator
         self._iterators: dict[int, Any] = {}
-        self._feeds: dict[int, list] = {}
-
-    def _feed(self, source: Any, steps: int | None) -> Iterator:
-        """The batches of one run: all of them, or with ``steps`` the next ``steps`` of an iterator kept
-        across runs (Keras' cached eval epoch iterator in fit: a run continues where the last one stopped,
-        and starts over once every batch was seen or the data ran out)."""
-        if steps is None:
-            return batches_of(source, None, "evaluate")
-        entry = self._feeds.get(id(source))
-        if entry is None:
-            entry = self._feeds[id(source)] = [_batches(source), 0]
-        taken = list(itertools.islice(entry[0], steps))
-        entry[1] += len(taken)
-        total = _num_batches(source)
-        if len(taken) < steps or (total is not None and entry[1] >= total):
-            del self._feeds[id(source)]
-        return iter(taken)
 
     def run(self, source: Any, steps: int | None, callbacks: Any) -> dict:
         """Evaluates on ``source`` (see :func:`evaluate`); returns the logs ``{name: float}``."""
@@ -101,7 +84,7 @@ class Evaluation:
                 )
             feed: Iterator = iter(())
         else:
-            feed = self._feed(source, steps)
+            feed = batches_of(source, steps, "evaluate")  # from the first batch each run, as Keras 3
             first = next(feed, None)
             if first is None:
                 raise ValueError("model.evaluate under ParameterServerStrategy: the data is empty.")
@@ -285,13 +268,6 @@ def _batches(source: Any) -> Iterator:
     if isinstance(source, _Arrays):
         return iter(source)
     return (ps_hooks.unpack_x_y_sample_weight(element) for element in source)
-
-
-def _num_batches(source: Any) -> int | None:
-    if isinstance(source, _Arrays):
-        return -(-source.size // source.batch_size)
-    cardinality = int(source.cardinality())
-    return cardinality if cardinality >= 0 else None
 
 
 def _groups(batches: Iterator, size: int) -> Iterator[tuple]:
