@@ -78,6 +78,24 @@ def test_fit_two_workers_converges_and_counts_every_step(two_workers):
     assert len(history.history["loss"]) == 4
 
 
+def test_two_workers_evaluate_and_predict_see_every_row_once(two_workers):
+    # The coordinator sends each closure its own batches, so with 2 workers every row counts once (TF's
+    # per-worker copies would count rows twice without pss_evaluation_shards) and predict keeps the row order.
+    x, y = _data()
+    with two_workers.scope():
+        model = _compiled("sgd")
+        model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse", metrics=["mae"], steps_per_execution=3)
+    history = model.fit(x, y, batch_size=8, epochs=2, steps_per_epoch=7, verbose=0, validation_data=(x, y))
+    assert int(model.optimizer.iterations.numpy()) == 14  # closures of 3, 3 and 1 steps per epoch
+    reference = _compiled("sgd")
+    reference.set_weights(model.get_weights())
+    want = reference.evaluate(x, y, batch_size=5, verbose=0)
+    np.testing.assert_allclose(model.evaluate(x, y, batch_size=5, verbose=0), want, rtol=1e-5)
+    np.testing.assert_allclose(history.history["val_loss"][-1], reference.evaluate(x, y, verbose=0)[0], rtol=1e-5)
+    np.testing.assert_allclose(model.predict(x, batch_size=5, verbose=0), reference.predict(x, batch_size=5, verbose=0),
+                               rtol=1e-5, atol=1e-6)
+
+
 def test_fit_rules_are_tfs(two_workers):
     x, y = _data()
     with two_workers.scope():
