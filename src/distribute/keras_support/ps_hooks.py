@@ -355,6 +355,21 @@ def _update_metrics(model: Any, loss: Any, x: Any, y: Any, y_pred: Any, sample_w
     model.compute_metrics(x, y, y_pred, sample_weight)
 
 
+def cached(model: Any, name: str, make: Any) -> Any:
+    """``make()``, kept on ``model`` while its compiled state (optimizer, loss, metrics) is unchanged.
+
+    So a second ``fit``/``evaluate`` reuses the scheduled functions, hence the
+    programs traced for them (``schedule`` traces once per function and signature).
+    """
+    state = (model.optimizer, getattr(model, "_compile_loss", None), getattr(model, "_compile_metrics", None))
+    entry = model.__dict__.get(name)
+    if entry is not None and all(a is b for a, b in zip(entry[0], state)):
+        return entry[1]
+    value = make()
+    object.__setattr__(model, name, (state, value))
+    return value
+
+
 def metrics_in_order(model: Any, logs: dict) -> Any:
     """``evaluate``'s list result: Keras' ``_flatten_metrics_in_order`` (a scalar when only the loss)."""
     return model._flatten_metrics_in_order(logs)

@@ -65,10 +65,21 @@ class Evaluation:
             return loss
 
         self._test_batches, self._test_iterator = test_batches, test_iterator
-        self._iterators: dict[int, Any] = {}
 
-    def run(self, source: Any, steps: int | None, callbacks: Any) -> dict:
-        """Evaluates on ``source`` (see :func:`evaluate`); returns the logs ``{name: float}``."""
+    @classmethod
+    def of(cls, strategy: Any, model: Any) -> Evaluation:
+        """The model's evaluation, made once per compiled state (so its programs are traced once)."""
+        from distribute.keras_support import ps_hooks
+
+        return ps_hooks.cached(model, "_distribute_ps_evaluation", lambda: cls(strategy, model))
+
+    def run(self, source: Any, steps: int | None, callbacks: Any, iterators: dict | None = None) -> dict:
+        """Evaluates on ``source`` (see :func:`evaluate`); returns the logs ``{name: float}``.
+
+        ``iterators``: the caller's per-worker iterators by source, kept across runs
+        (fit's validation continues a DatasetCreator's iterators, as tf-keras caches
+        its eval data handler); a fresh one per run without it.
+        """
         from distribute.keras_support import ps_hooks
 
         model = self.model
@@ -96,9 +107,10 @@ class Evaluation:
         model.reset_metrics()  # pushed to the ps
         per_execution = steps_per_execution(model)
         if per_worker:
-            iterator = self._iterators.get(id(source))
-            if iterator is None:  # kept across fit's validation runs, as tf-keras caches its eval data handler
-                iterator = self._iterators[id(source)] = iter(self.coordinator.create_per_worker_dataset(source))
+            iterators = {} if iterators is None else iterators
+            iterator = iterators.get(id(source))
+            if iterator is None:
+                iterator = iterators[id(source)] = iter(self.coordinator.create_per_worker_dataset(source))
             for size in execution_sizes(steps, per_execution):
                 self.coordinator.schedule(self._test_iterator, args=(iterator, size))
         else:
@@ -157,7 +169,7 @@ def evaluate(
     callback_list = keras.callbacks.CallbackList(
         callbacks, add_progbar=verbose != 0, model=model, verbose=verbose, epochs=1, steps=steps,
     )
-    logs = Evaluation(strategy, model).run(source, steps, callback_list)
+    logs = Evaluation.of(strategy, model).run(source, steps, callback_list)
     if return_dict:
         return logs
     from distribute.keras_support import ps_hooks

@@ -138,9 +138,10 @@ def fit(
         if not model.optimizer.built:
             model.optimizer.build(model.trainable_variables)
     iterator = iter(coordinator.create_per_worker_dataset(source))
-    step = _train_step(strategy, model)
+    step = ps_hooks.cached(model, "_distribute_ps_train_step", lambda: _train_step(strategy, model))
     sizes = execution_sizes(steps_per_epoch, steps_per_execution(model))
-    evaluation = Evaluation(strategy, model) if validation is not None else None
+    evaluation = Evaluation.of(strategy, model) if validation is not None else None
+    val_iterators: dict = {}  # a validation DatasetCreator's per-worker iterators, kept across epochs (TF)
 
     callback_list = keras.callbacks.CallbackList(
         callbacks, add_history=True, add_progbar=verbose != 0, model=model, verbose=verbose, epochs=epochs,
@@ -157,7 +158,7 @@ def fit(
         coordinator.join()
         logs = {k: float(np.asarray(v)) for k, v in model.get_metrics_result().items()}
         if evaluation is not None and _should_eval(epoch, validation_freq):
-            val_logs = evaluation.run(validation, validation_steps, callback_list)
+            val_logs = evaluation.run(validation, validation_steps, callback_list, val_iterators)
             logs.update({"val_" + name: value for name, value in val_logs.items()})
         callback_list.on_epoch_end(epoch, logs)
         if model.stop_training:
