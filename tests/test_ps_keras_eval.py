@@ -140,6 +140,31 @@ def test_fit_validation_logs_equal_one_device(strategy):
         np.testing.assert_allclose(history.history[key], want.history[key], rtol=1e-5)
 
 
+def test_fit_validation_from_a_dataset_creator_continues_its_iterator(strategy):
+    # tf-keras keeps the eval data handler of a DatasetCreator across epochs: epoch 1 validates on the worker's
+    # batches 0-1, epoch 2 on batches 2-3 (its iterator goes on).
+    x, y, _ = _data()
+    creator = distribute.DatasetCreator(lambda ctx: Dataset.from_tensor_slices((x, y)).repeat().batch(8))
+    weights = []
+
+    class Weights(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            weights.append(self.model.get_weights())
+
+    with strategy.scope():
+        model = _compiled()
+    with pytest.raises(ValueError, match="`steps_per_epoch`, `validation_steps`, `steps`, or `pss_evaluation_shards`"):
+        model.fit(x, y, epochs=1, steps_per_epoch=2, verbose=0, validation_data=creator)
+    history = model.fit(x, y, batch_size=8, epochs=2, steps_per_epoch=3, shuffle=False, verbose=0,
+                        validation_data=creator, validation_steps=2, callbacks=[Weights()])
+    reference = _compiled()
+    for epoch, rows in ((0, slice(0, 16)), (1, slice(16, 32))):
+        reference.set_weights(weights[epoch])
+        want = reference.evaluate(x[rows], y[rows], batch_size=8, verbose=0)
+        np.testing.assert_allclose([history.history["val_loss"][epoch], history.history["val_mae"][epoch]], want,
+                                   rtol=1e-5)
+
+
 def test_steps_per_execution_packs_steps_into_one_closure(strategy, monkeypatch):
     x, y, _ = _data()
     scheduled = []

@@ -109,6 +109,9 @@ def test_fit_rules_are_tfs(two_workers):
     creator = distribute.DatasetCreator(lambda ctx: Dataset.from_tensor_slices((x, y)).repeat().batch(8))
     with pytest.raises(ValueError, match="`steps_per_epoch`, `validation_steps`, `steps`, or `pss_evaluation_shards`"):
         model.fit(x, y, epochs=1, steps_per_epoch=2, verbose=0, validation_data=creator)
+    with pytest.raises(ValueError, match="infinite validation Dataset .* Pass validation_steps="):
+        model.fit(x, y, epochs=1, steps_per_epoch=2, verbose=0,
+                  validation_data=Dataset.from_tensor_slices((x, y)).repeat().batch(8))
     with pytest.raises(ValueError, match="Expected `validation_freq` to be a positive int or a list"):
         model.fit(x, y, epochs=1, steps_per_epoch=2, verbose=0, validation_data=(x, y), validation_freq=0)
 

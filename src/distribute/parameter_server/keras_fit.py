@@ -113,6 +113,9 @@ def fit(
         validation = _validation_source(validation_data, validation_batch_size or batch_size or 32, _Arrays)
         if isinstance(validation, (DatasetCreator, DistributedDatasetSpec)) and validation_steps is None:
             raise ValueError(STEPS_REQUIRED_CREATOR)
+        if isinstance(validation, Dataset) and validation_steps is None and int(validation.cardinality()) == -1:
+            raise ValueError("model.fit under ParameterServerStrategy got an infinite validation Dataset (repeat()) "
+                             "and validation_steps=None; validation would never end. Pass validation_steps=.")
         _should_eval(0, validation_freq)  # validates it
 
     coordinator = ClusterCoordinator(strategy)
