@@ -206,6 +206,7 @@ class _Wrapper(keras.optimizers.SGD):
 
 @pytest.mark.parametrize("make, name, fix", [
     (lambda: keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1)), "LossScaleOptimizer", "loss_scale_factor="),
+    (lambda: keras.optimizers.MultiOptimizer(lambda v: keras.optimizers.SGD(0.1)), "MultiOptimizer", "Use one Keras"),
     (_Wrapper, "_Wrapper", "Use one Keras optimizer"),
     (lambda: keras.optimizers.SGD(0.1, gradient_accumulation_steps=2), "SGD", "Drop gradient_accumulation_steps"),
 ])

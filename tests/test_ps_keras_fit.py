@@ -174,6 +174,13 @@ def test_the_keras_internals_ps_fit_relies_on_exist():
     ps_hooks.build_fit_state(model, (x[:8], y[:8]))
     assert ps_hooks.fit_state_built(model)
     assert ps_hooks.unpack_x_y_sample_weight((x, y)) == (x, y, None)
+    # keras_eval / the optimizer guard: evaluate's list order, the compiled loss, loss scaling, the optimizer classes.
+    assert ps_hooks.metrics_in_order(model, {"mae": 2.0, "loss": 1.0}) == [1.0, 2.0]
+    assert model._compile_loss is not None
+    assert float(keras.optimizers.SGD(loss_scale_factor=4.0).scale_loss(2.0)) == 8.0
+    assert issubclass(keras.optimizers.LossScaleOptimizer, keras.optimizers.Optimizer)
+    for name in ("SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Adadelta", "Adamax", "Nadam", "Ftrl", "Lion", "Lamb"):
+        ps_hooks.check_optimizer(getattr(keras.optimizers, name)())  # Keras' own optimizers pass the guard
 
 
 def test_main_job_without_ray_is_one_line(monkeypatch, capsys):

@@ -18,7 +18,10 @@ outside a ParameterServerStrategy):
   sees them, as a TF worker reads the ps after each step's update; an optimizer
   whose update the ps cannot express raises :func:`check_optimizer`'s error;
 * an assignment on the coordinator (``set_weights``, a checkpoint restore,
-  ``metric.reset_state()``) is pushed to the ps.
+  ``metric.reset_state()``) is pushed to the ps;
+* ``Model.fit`` / ``evaluate`` / ``predict`` of a model built in a ps strategy's
+  scope go to ``extended._keras_fit`` / ``_keras_evaluate`` / ``_keras_predict``
+  (``parameter_server/keras_fit.py``, ``keras_eval.py``).
 """
 
 from __future__ import annotations
@@ -95,7 +98,7 @@ def install() -> None:
     _patch(BaseOptimizer, "apply", _optimizer_apply)
     _patch(BaseOptimizer, "apply_gradients", _optimizer_apply_gradients)
     for name in ("fit", "evaluate", "predict"):
-        _patch(JAXTrainer, name, functools.partial(_refuse_under_ps, name=name))
+        _patch(JAXTrainer, name, functools.partial(_route_under_ps, name=name))
     _INSTALLED.append(True)
 
 
@@ -208,7 +211,8 @@ def local_updates() -> Iterator[None]:
         _LOCAL_UPDATES.reset(token)
 
 
-_CUSTOM_APPLY = ("apply", "apply_gradients", "stateless_apply", "_backend_apply_gradients", "_backend_update_step")
+# An optimizer class that defines one of these (other than Keras' base classes) has its own apply logic.
+_CUSTOM_APPLY = ("apply", "apply_gradients", "stateless_apply", "_backend_apply_gradients")
 
 
 def check_optimizer(optimizer: Any) -> None:
@@ -222,9 +226,10 @@ def check_optimizer(optimizer: Any) -> None:
     Raises:
         NotImplementedError: ``keras.optimizers.LossScaleOptimizer`` (dynamic loss
             scaling: one finite-check over all gradients), an optimizer that wraps
-            other optimizers or overrides ``apply``/``apply_gradients`` (a
-            MultiOptimizer-like wrapper), or ``gradient_accumulation_steps`` (the
-            ps would accumulate each worker's gradients against its own step count).
+            other optimizers or overrides ``apply``/``apply_gradients``
+            (``keras.optimizers.MultiOptimizer`` and wrappers like it), or
+            ``gradient_accumulation_steps`` (the ps would accumulate each
+            worker's gradients against its own step count).
     """
     import keras
 
@@ -238,9 +243,9 @@ def check_optimizer(optimizer: Any) -> None:
             "'float32' or 'mixed_bfloat16' dtype policy ('mixed_float16' makes compile() wrap the optimizer in a "
             "LossScaleOptimizer)."
         )
+    bases = {BaseOptimizer, keras.optimizers.Optimizer, *keras.optimizers.Optimizer.__mro__}
     inner = [v for v in vars(optimizer).values() if _holds_optimizer(v)]
-    custom = [m for m in _CUSTOM_APPLY for cls in type(optimizer).__mro__
-              if not cls.__module__.startswith("keras.") and m in vars(cls)]
+    custom = [m for cls in type(optimizer).__mro__ if cls not in bases for m in _CUSTOM_APPLY if m in vars(cls)]
     if inner or custom:
         what = "wraps other optimizers" if inner else f"overrides `{custom[0]}`"
         raise NotImplementedError(
@@ -259,12 +264,14 @@ def check_optimizer(optimizer: Any) -> None:
 
 
 def _holds_optimizer(value: Any) -> bool:
+    if isinstance(value, dict):
+        value = list(value.values())
     if isinstance(value, BaseOptimizer):
         return True
     return isinstance(value, (list, tuple)) and any(isinstance(v, BaseOptimizer) for v in value)
 
 
-def _refuse_under_ps(original, name: str):
+def _route_under_ps(original, name: str):
     def method(self, *args, **kwargs):
         strategy = self.__dict__.get("_distribute_strategy")
         if getattr(strategy, "_should_use_with_coordinator", False):
