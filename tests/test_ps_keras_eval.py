@@ -57,12 +57,12 @@ def test_evaluate_and_predict_equal_one_device(strategy):
     # numpy with a partial last batch (64 = 6 * 10 + 4) and sample weights; list and dict results.
     want = reference.evaluate(x, y, sample_weight=w, batch_size=10, verbose=0)
     np.testing.assert_allclose(model.evaluate(x, y, sample_weight=w, batch_size=10, verbose=0), want, rtol=1e-5)
-    got = model.evaluate(x, y, batch_size=10, verbose=0, return_dict=True)
+    got = model.evaluate(x, y, sample_weight=w, batch_size=10, verbose=0, return_dict=True)
     assert sorted(got) == ["loss", "mae"]
-    np.testing.assert_allclose([got["loss"], got["mae"]], reference.evaluate(x, y, batch_size=10, verbose=0), rtol=1e-5)
+    np.testing.assert_allclose([got["loss"], got["mae"]], want, rtol=1e-5)
     # steps limits the batches, as one device's evaluate.
-    np.testing.assert_allclose(model.evaluate(x, y, batch_size=10, steps=3, verbose=0),
-                               reference.evaluate(x, y, batch_size=10, steps=3, verbose=0), rtol=1e-5)
+    np.testing.assert_allclose(model.evaluate(x, y, sample_weight=w, batch_size=10, steps=3, verbose=0),
+                               reference.evaluate(x, y, sample_weight=w, batch_size=10, steps=3, verbose=0), rtol=1e-5)
     # A finite Dataset of (x, y, sample_weight), read in order.
     dataset = Dataset.from_tensor_slices((x, y, w)).batch(16)
     np.testing.assert_allclose(model.evaluate(dataset, verbose=0),

@@ -206,6 +206,7 @@ def predict(
     import jax
     import keras
 
+    from distribute.keras_support import ps_hooks
     from distribute.parameter_server.coordinator import ClusterCoordinator
     from distribute.parameter_server.dataset import DatasetCreator, DistributedDatasetSpec
 
@@ -223,10 +224,7 @@ def predict(
         callbacks, add_progbar=verbose != 0, model=model, verbose=verbose, epochs=1, steps=steps,
     )
     coordinator = ClusterCoordinator(strategy)
-
-    def predict_batches(xs):
-        return tuple(model(x, training=False) for x in xs)
-
+    predict_batches = ps_hooks.cached(model, "_distribute_ps_predict", lambda: _predict_fn(model))
     callback_list.on_predict_begin()
     remote_values = [
         coordinator.schedule(predict_batches, args=(tuple(x for x, _, _ in group),))
@@ -239,6 +237,13 @@ def predict(
     result = jax.tree_util.tree_map(lambda *parts: np.concatenate(parts, axis=0), *outputs)
     callback_list.on_predict_end()
     return result
+
+
+def _predict_fn(model: Any) -> Any:
+    def predict_batches(xs):
+        return tuple(model(x, training=False) for x in xs)
+
+    return predict_batches
 
 
 # -- inputs ---------------------------------------------------------------------------------------
