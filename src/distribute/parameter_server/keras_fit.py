@@ -117,6 +117,9 @@ def fit(
             raise ValueError("model.fit under ParameterServerStrategy got an infinite validation Dataset (repeat()) "
                              "and validation_steps=None; validation would never end. Pass validation_steps=.")
         _should_eval(0, validation_freq)  # validates it
+        if validation_steps is not None and (isinstance(validation_steps, bool) or not isinstance(validation_steps, int)
+                                             or validation_steps < 1):
+            raise ValueError(f"validation_steps={validation_steps!r} must be a positive int or None.")
 
     coordinator = ClusterCoordinator(strategy)
     if is_arrays:
