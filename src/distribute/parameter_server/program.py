@@ -10,7 +10,10 @@ traces once per signature), inside the strategy's scope, under a
   per-worker iterator is an input (the worker feeds its own dataset's element);
 * one **apply program** per ``optimizer.apply`` and ps: the optimizer's update of
   the variables that ps holds (and their slots), run by that ps on its current
-  values when the gradients arrive, as TF runs the apply ops on the ps.
+  values when the gradients arrive, as TF runs the apply ops on the ps; the
+  step count it uses (Adam's bias correction, learning-rate schedules) is the one
+  the worker's step read, plus the updates before it in the same closure
+  (``steps_per_execution``), so packed steps update as unpacked ones.
 
 Both are serialized with ``jax.export``: workers and ps never unpickle user code.
 Variables created while tracing (optimizer slots, lazily built layers) are created
