@@ -78,6 +78,24 @@ def test_fit_two_workers_converges_and_counts_every_step(two_workers):
     assert len(history.history["loss"]) == 4
 
 
+def test_two_workers_evaluate_and_predict_see_every_row_once(two_workers):
+    # The coordinator sends each closure its own batches, so with 2 workers every row counts once (TF's
+    # per-worker copies would count rows twice without pss_evaluation_shards) and predict keeps the row order.
+    x, y = _data()
+    with two_workers.scope():
+        model = _compiled("sgd")
+        model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse", metrics=["mae"], steps_per_execution=3)
+    history = model.fit(x, y, batch_size=8, epochs=2, steps_per_epoch=7, verbose=0, validation_data=(x, y))
+    assert int(model.optimizer.iterations.numpy()) == 14  # closures of 3, 3 and 1 steps per epoch
+    reference = _compiled("sgd")
+    reference.set_weights(model.get_weights())
+    want = reference.evaluate(x, y, batch_size=5, verbose=0)
+    np.testing.assert_allclose(model.evaluate(x, y, batch_size=5, verbose=0), want, rtol=1e-5)
+    np.testing.assert_allclose(history.history["val_loss"][-1], reference.evaluate(x, y, verbose=0)[0], rtol=1e-5)
+    np.testing.assert_allclose(model.predict(x, batch_size=5, verbose=0), reference.predict(x, batch_size=5, verbose=0),
+                               rtol=1e-5, atol=1e-6)
+
+
 def test_fit_rules_are_tfs(two_workers):
     x, y = _data()
     with two_workers.scope():
@@ -88,8 +106,14 @@ def test_fit_rules_are_tfs(two_workers):
         model.fit(Dataset.from_tensor_slices((x, y)).repeat().batch(8), epochs=1)
     with pytest.raises(ValueError, match="`verbose=1` is not allowed with `ParameterServerStrategy`"):
         model.fit(x, y, epochs=1, steps_per_epoch=2, verbose=1)
-    with pytest.raises(NotImplementedError, match="Evaluation in `model.fit` with `ParameterServerStrategy`"):
-        model.fit(x, y, epochs=1, steps_per_epoch=2, verbose=0, validation_data=(x, y))
+    creator = distribute.DatasetCreator(lambda ctx: Dataset.from_tensor_slices((x, y)).repeat().batch(8))
+    with pytest.raises(ValueError, match="`steps_per_epoch`, `validation_steps`, `steps`, or `pss_evaluation_shards`"):
+        model.fit(x, y, epochs=1, steps_per_epoch=2, verbose=0, validation_data=creator)
+    with pytest.raises(ValueError, match="infinite validation Dataset .* Pass validation_steps="):
+        model.fit(x, y, epochs=1, steps_per_epoch=2, verbose=0,
+                  validation_data=Dataset.from_tensor_slices((x, y)).repeat().batch(8))
+    with pytest.raises(ValueError, match="Expected `validation_freq` to be a positive int or a list"):
+        model.fit(x, y, epochs=1, steps_per_epoch=2, verbose=0, validation_data=(x, y), validation_freq=0)
 
     class PerBatch(keras.callbacks.Callback):
         def on_train_batch_end(self, batch, logs=None):
@@ -97,8 +121,10 @@ def test_fit_rules_are_tfs(two_workers):
 
     with pytest.raises(ValueError, match="Batch-level `Callback`s are not supported with `ParameterServerStrategy`"):
         model.fit(x, y, epochs=1, steps_per_epoch=2, verbose=0, callbacks=[PerBatch()])
-    with pytest.raises(NotImplementedError, match=r"Model.evaluate under ParameterServerStrategy is not supported yet"):
-        model.evaluate(x, y)
+    with pytest.raises(ValueError, match="Batch-level `Callback`s are not supported with `ParameterServerStrategy`"):
+        model.evaluate(x, y, verbose=0, callbacks=[PerBatch()])
+    with pytest.raises(ValueError, match="`verbose=1` is not allowed with `ParameterServerStrategy`"):
+        model.evaluate(x, y, verbose=1)
     model.run_eagerly = True
     with pytest.raises(ValueError, match="`run_eagerly` is not supported"):
         model.fit(x, y, epochs=1, steps_per_epoch=2, verbose=0)
@@ -148,6 +174,13 @@ def test_the_keras_internals_ps_fit_relies_on_exist():
     ps_hooks.build_fit_state(model, (x[:8], y[:8]))
     assert ps_hooks.fit_state_built(model)
     assert ps_hooks.unpack_x_y_sample_weight((x, y)) == (x, y, None)
+    # keras_eval / the optimizer guard: evaluate's list order, the compiled loss, loss scaling, the optimizer classes.
+    assert ps_hooks.metrics_in_order(model, {"mae": 2.0, "loss": 1.0}) == [1.0, 2.0]
+    assert model._compile_loss is not None
+    assert float(keras.optimizers.SGD(loss_scale_factor=4.0).scale_loss(2.0)) == 8.0
+    assert issubclass(keras.optimizers.LossScaleOptimizer, keras.optimizers.Optimizer)
+    for name in ("SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Adadelta", "Adamax", "Nadam", "Ftrl", "Lion", "Lamb"):
+        ps_hooks.check_optimizer(getattr(keras.optimizers, name)())  # Keras' own optimizers pass the guard
 
 
 def test_main_job_without_ray_is_one_line(monkeypatch, capsys):

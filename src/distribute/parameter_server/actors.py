@@ -182,7 +182,7 @@ class Worker:
 
         per_ps: dict[int, tuple[list, list, list]] = {}
         for j, program_id, box, owned, written, foreign, grad_slices in plan.applies:
-            foreign_vals = [_rows([pulled[p][k] for p, k in keys]) for keys in foreign]
+            foreign_vals = [outs[f] if isinstance(f, int) else _rows([pulled[p][k] for p, k in f]) for f in foreign]
             grads = [_rows([outs[pos][a:b] for a, b in bounds]) if bounds else outs[pos] for pos, bounds in grad_slices]
             per_ps.setdefault(j, ([], [], []))[0].append((program_id, box, owned, written, foreign_vals, grads))
         for kind, targets in ((1, plan.deltas), (2, plan.sets)):

@@ -1,11 +1,16 @@
 """Keras ``Model.fit`` under ParameterServerStrategy (tf-keras' ``_ClusterCoordinatorDataHandler`` rules).
 
 ``fit(x, epochs=E, steps_per_epoch=S)`` for a model compiled in the scope:
-``S`` scheduled train steps per epoch (one batch each), ``coordinator.join()``
+``S`` train steps per epoch (one batch each), scheduled ``K`` to a closure with
+``compile(steps_per_execution=K)`` (one Ray round trip per ``K`` steps, the last
+closure of an epoch taking the remainder, as TF's DataHandler), ``coordinator.join()``
 at each epoch end, logs read from the model's ps-side metrics (TF: "the last
 scheduled train step may not give the latest metrics"), so after fit
-``optimizer.iterations == E * S``.  Reached through ``ps_hooks`` (which
-patches ``Model.fit``) and ``ParameterServerStrategyExtended._keras_fit``.
+``optimizer.iterations == E * S``.  Validation (``validation_data``,
+``validation_split``, ``validation_steps``, ``validation_freq``) runs
+``keras_eval``'s evaluation on the workers after the epoch's ``join()`` and adds
+``val_`` logs, as tf-keras' fit calls ``evaluate``.  Reached through ``ps_hooks``
+(which patches ``Model.fit``) and ``ParameterServerStrategyExtended._keras_fit``.
 """
 
 from __future__ import annotations
@@ -15,20 +20,16 @@ from typing import Any
 
 import numpy as np
 
-STEPS_REQUIRED_CREATOR = (
-    "When using a `tf.keras.utils.experimental.DatasetCreator`, `steps_per_epoch`, `validation_steps`, "
-    "`steps`, or `pss_evaluation_shards` argument must be provided in `Model.fit`, `Model.evaluate`, or "
-    "`Model.predict`."
+from distribute.parameter_server.keras_rules import (
+    RUN_EAGERLY,
+    STEPS_REQUIRED,
+    STEPS_REQUIRED_CREATOR,
+    UNSUPPORTED_INPUT,
+    VERBOSE_1,
+    check_callbacks,
+    execution_sizes,
+    steps_per_execution,
 )
-STEPS_REQUIRED = "`steps_per_epoch` must be specified with `ParameterServerStrategy`."
-RUN_EAGERLY = "When using `Model` with `ParameterServerStrategy`, `run_eagerly` is not supported."
-VERBOSE_1 = "`verbose=1` is not allowed with `ParameterServerStrategy` for performance reasons. Received: verbose=1"
-VALIDATION = "Evaluation in `model.fit` with `ParameterServerStrategy` is not yet supported."
-UNSUPPORTED_INPUT = (
-    "Only `tf.keras.utils.experimental.DatasetCreator`, `tf.Tensor`, numpy arrays and pandas dataframes "
-    "are supported types at this time."
-)
-_BATCH_HOOKS = ("on_batch_begin", "on_batch_end", "on_train_batch_begin", "on_train_batch_end")
 
 
 def fit(
@@ -58,14 +59,19 @@ def fit(
     dropping the remainder), a ``distribute.data.Dataset`` of ``(x, y)`` or
     ``(x, y, sample_weight)`` batches (each worker iterates its own copy; make it
     infinite with ``repeat()``, as TF asks), or a ``DatasetCreator``.
+    ``validation_data``: ``(x_val, y_val[, sample_weight])`` arrays, a Dataset or
+    a ``DatasetCreator`` (then ``validation_steps`` is required, TF's message);
+    ``validation_split`` takes the last fraction of numpy inputs, as Keras.
 
     Raises:
         ValueError: ``steps_per_epoch`` missing, ``run_eagerly``, ``verbose=1``,
-            batch-level callbacks (TF's messages), or a model not compiled.
-        NotImplementedError: ``validation_data``/``validation_split`` (TF's
-            message), ``steps_per_epoch`` not a positive int (TF's ``-1``),
-            ``class_weight``, ``sample_weight`` with numpy, or an unsupported
-            input type.
+            batch-level callbacks (TF's messages), a model not compiled, or
+            ``validation_split`` with a Dataset.
+        NotImplementedError: ``steps_per_epoch`` not a positive int (TF's
+            ``-1``), ``class_weight``, ``sample_weight`` with numpy, an
+            unsupported input type, or an optimizer the ps cannot apply
+            (``ps_hooks.check_optimizer``: LossScaleOptimizer, wrappers,
+            gradient accumulation).
     """
     import keras
 
@@ -73,11 +79,13 @@ def fit(
     from distribute.parameter_server.coordinator import ClusterCoordinator
     from distribute.keras_support import ps_hooks
     from distribute.parameter_server.dataset import DatasetCreator, DistributedDatasetSpec
+    from distribute.parameter_server.keras_eval import Evaluation, _Arrays
 
     if model.optimizer is None:
         raise ValueError("You must call `compile()` before calling `fit()` (in strategy.scope()).")
     if model.run_eagerly:
         raise ValueError(RUN_EAGERLY)
+    ps_hooks.check_optimizer(model.optimizer)
     is_creator = isinstance(x, (DatasetCreator, DistributedDatasetSpec))
     is_arrays = not is_creator and not isinstance(x, Dataset)
     if is_arrays and not isinstance(x, (np.ndarray, list, tuple, dict)) and not hasattr(x, "__array__"):
@@ -89,14 +97,29 @@ def fit(
             f"steps_per_epoch={steps_per_epoch!r}: model.fit under ParameterServerStrategy needs a positive int here "
             "(TF's -1, train until stopped, is not supported yet)."
         )
-    if validation_data is not None or validation_split:
-        raise NotImplementedError(VALIDATION)
+    if validation_split and validation_data is None:
+        if not is_arrays:
+            raise ValueError("`validation_split` is only supported for Tensors or NumPy arrays; split a Dataset "
+                             "yourself and pass `validation_data`.")
+        (x, y), validation_data = _split(x, y, validation_split)
     if class_weight is not None:
         raise NotImplementedError("`class_weight` in `model.fit` with `ParameterServerStrategy` is not supported yet.")
     if verbose == 1:
         raise ValueError(VERBOSE_1)
     verbose = 2 if verbose == "auto" else verbose
-    _check_callbacks(callbacks, keras)
+    check_callbacks(callbacks, keras)
+    validation = None
+    if validation_data is not None:
+        validation = _validation_source(validation_data, validation_batch_size or batch_size or 32, _Arrays)
+        if isinstance(validation, (DatasetCreator, DistributedDatasetSpec)) and validation_steps is None:
+            raise ValueError(STEPS_REQUIRED_CREATOR)
+        if isinstance(validation, Dataset) and validation_steps is None and int(validation.cardinality()) == -1:
+            raise ValueError("model.fit under ParameterServerStrategy got an infinite validation Dataset (repeat()) "
+                             "and validation_steps=None; validation would never end. Pass validation_steps=.")
+        _should_eval(0, validation_freq)  # validates it
+        if validation_steps is not None and (isinstance(validation_steps, bool) or not isinstance(validation_steps, int)
+                                             or validation_steps < 1):
+            raise ValueError(f"validation_steps={validation_steps!r} must be a positive int or None.")
 
     coordinator = ClusterCoordinator(strategy)
     if is_arrays:
@@ -121,7 +144,10 @@ def fit(
         if not model.optimizer.built:
             model.optimizer.build(model.trainable_variables)
     iterator = iter(coordinator.create_per_worker_dataset(source))
-    step = _train_step(strategy, model)
+    step = ps_hooks.cached(model, "_distribute_ps_train_step", lambda: _train_step(strategy, model))
+    sizes = execution_sizes(steps_per_epoch, steps_per_execution(model))
+    evaluation = Evaluation.of(strategy, model) if validation is not None else None
+    val_iterators: dict = {}  # a validation DatasetCreator's per-worker iterators, kept across epochs (TF)
 
     callback_list = keras.callbacks.CallbackList(
         callbacks, add_history=True, add_progbar=verbose != 0, model=model, verbose=verbose, epochs=epochs,
@@ -133,10 +159,13 @@ def fit(
     for epoch in range(initial_epoch, epochs):
         model.reset_metrics()  # pushed to the ps
         callback_list.on_epoch_begin(epoch)
-        for _ in range(steps_per_epoch):
-            coordinator.schedule(step, args=(iterator,))
+        for size in sizes:
+            coordinator.schedule(step, args=(iterator, size))
         coordinator.join()
         logs = {k: float(np.asarray(v)) for k, v in model.get_metrics_result().items()}
+        if evaluation is not None and _should_eval(epoch, validation_freq):
+            val_logs = evaluation.run(validation, validation_steps, callback_list, val_iterators)
+            logs.update({"val_" + name: value for name, value in val_logs.items()})
         callback_list.on_epoch_end(epoch, logs)
         if model.stop_training:
             break
@@ -144,19 +173,49 @@ def fit(
     return model.history
 
 
-def _check_callbacks(callbacks: Any, keras: Any) -> None:
-    base = keras.callbacks.Callback
-    unsupported = [
-        cb for cb in (callbacks or [])
-        if not getattr(cb, "_supports_tf_logs", False)
-        and not isinstance(cb, (keras.callbacks.ProgbarLogger, keras.callbacks.History))
-        and any(getattr(type(cb), hook, None) is not getattr(base, hook) for hook in _BATCH_HOOKS)
-    ]
-    if unsupported:
+def _should_eval(epoch: int, validation_freq: Any) -> bool:
+    """Keras' rule: validate after epoch ``epoch + 1`` when it is a multiple of an int freq, or in a list."""
+    if isinstance(validation_freq, int) and not isinstance(validation_freq, bool) and validation_freq > 0:
+        return (epoch + 1) % validation_freq == 0
+    if isinstance(validation_freq, (list, tuple)):
+        return epoch + 1 in validation_freq
+    raise ValueError(
+        f"Expected `validation_freq` to be a positive int or a list of epochs (1-indexed). Received: "
+        f"validation_freq={validation_freq!r} of type {type(validation_freq)}."
+    )
+
+
+def _split(x: Any, y: Any, validation_split: float) -> tuple:
+    """Keras' ``train_validation_split``: the last ``validation_split`` of the rows validate."""
+    import jax
+    import math
+
+    if not 0.0 < float(validation_split) < 1.0:
+        raise ValueError(f"validation_split={validation_split!r} must be a float between 0 and 1.")
+    size = int(np.shape(jax.tree_util.tree_leaves(x)[0])[0])
+    split_at = int(math.floor(size * (1.0 - validation_split)))
+    if split_at == 0 or split_at == size:
+        raise ValueError(f"validation_split={validation_split} leaves no rows for training or validation out of {size}.")
+    head = jax.tree_util.tree_map(lambda a: np.asarray(a)[:split_at], (x, y))
+    tail = jax.tree_util.tree_map(lambda a: np.asarray(a)[split_at:], (x, y))
+    return head, tail
+
+
+def _validation_source(validation_data: Any, batch_size: int, arrays: Any) -> Any:
+    """What ``Evaluation.run`` takes: a Dataset, a DatasetCreator / distributed dataset, or batched arrays."""
+    from distribute.data import Dataset
+    from distribute.keras_support import ps_hooks
+    from distribute.parameter_server.dataset import DatasetCreator, DistributedDatasetSpec
+
+    if isinstance(validation_data, (Dataset, DatasetCreator, DistributedDatasetSpec)):
+        return validation_data
+    if not isinstance(validation_data, (tuple, list)) or len(validation_data) not in (2, 3):
         raise ValueError(
-            "Batch-level `Callback`s are not supported with `ParameterServerStrategy`. "
-            f"Found unsupported callbacks: {unsupported}"
+            "`validation_data` must be a tuple (x_val, y_val) or (x_val, y_val, val_sample_weight), a Dataset or a "
+            f"DatasetCreator; got {type(validation_data).__name__}."
         )
+    val_x, val_y, val_sample_weight = ps_hooks.unpack_x_y_sample_weight(tuple(validation_data))
+    return arrays(val_x, val_y, val_sample_weight, batch_size)
 
 
 def _arrays_dataset_fn(x: Any, y: Any, batch_size: int, shuffle: bool) -> Callable[[], Any]:
@@ -192,13 +251,26 @@ def _first_batch_of_arrays(x: Any, y: Any, batch_size: int) -> tuple:
 
 
 def _train_step(strategy: Any, model: Any) -> Callable:
-    """The scheduled train step: one batch from the worker's iterator through ``ps_hooks.fit_replica_fn``."""
+    """The scheduled train step: ``num_steps`` batches from the worker's iterator (``steps_per_execution``).
+
+    Every step but the last also updates the worker's copies of the variables
+    (``ps_hooks.local_updates``), so the next step of the closure computes its
+    gradients on the weights the ps will hold after the previous update, as a TF
+    worker's next step reads them from the ps; the ps applies every step's
+    gradients in order.
+    """
     from distribute.keras_support import ps_hooks
 
     replica_fn = ps_hooks.fit_replica_fn(model)
 
-    def train_step(iterator):
+    def one_step(iterator):
         x, y, sample_weight = ps_hooks.unpack_x_y_sample_weight(next(iterator))
         return strategy.reduce("SUM", strategy.run(replica_fn, args=(x, y, sample_weight)), axis=None)
+
+    def train_step(iterator, num_steps):
+        for _ in range(num_steps - 1):
+            with ps_hooks.local_updates():
+                one_step(iterator)
+        return one_step(iterator)
 
     return train_step

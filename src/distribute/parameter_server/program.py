@@ -10,7 +10,10 @@ traces once per signature), inside the strategy's scope, under a
   per-worker iterator is an input (the worker feeds its own dataset's element);
 * one **apply program** per ``optimizer.apply`` and ps: the optimizer's update of
   the variables that ps holds (and their slots), run by that ps on its current
-  values when the gradients arrive, as TF runs the apply ops on the ps.
+  values when the gradients arrive, as TF runs the apply ops on the ps; the
+  step count it uses (Adam's bias correction, learning-rate schedules) is the one
+  the worker's step read, plus the updates before it in the same closure
+  (``steps_per_execution``), so packed steps update as unpacked ones.
 
 Both are serialized with ``jax.export``: workers and ps never unpickle user code.
 Variables created while tracing (optimizer slots, lazily built layers) are created
@@ -54,7 +57,7 @@ class StepPlan:
     read: tuple  # per program variable input: ((ps, key), ...) concatenated on axis 0
     iterators: tuple  # (resource_id, number of next() calls, [(shape, dtype)])
     num_results: int
-    applies: tuple  # (ps, program_id, box, owned keys, written keys, foreign (ps, key)s, grad slices)
+    applies: tuple  # (ps, program_id, box, owned keys, written keys, foreign (ps, key)s or output position, grad slices)
     deltas: tuple  # (output position, ((ps, key, start, stop), ...))
     sets: tuple
 
@@ -152,10 +155,15 @@ def _step_body(strategy, fn, treedef, kinds, statics, iter_specs, counts, read_v
         result_leaves, record.out_tree = jax.tree_util.tree_flatten(result, is_leaf=lambda x: isinstance(x, KerasVariable))
         outs = [_as_output(x) for x in result_leaves]
         record.num_results = len(outs)
-        for optimizer, variables, grads in scope.applies:
-            record.applies.append((optimizer, variables, list(range(len(outs), len(outs) + len(grads)))))
+        for optimizer, variables, grads, iterations in scope.applies:
+            # The step count this update sees (the k-th update of a packed closure sees k more).
+            step_pos = len(outs) + len(grads)
+            record.applies.append((optimizer, variables, list(range(len(outs), step_pos)), step_pos))
             outs.extend(jnp.asarray(g, v.dtype) for g, v in zip(grads, variables))
+            outs.append(jnp.asarray(iterations, optimizer._iterations.dtype))
         for i, var in scope.written.items():
+            if i in scope.local and i not in scope.deltas:
+                continue  # a worker-side copy of an update the ps applies itself
             (record.set_vars if i in scope.plain else record.delta_vars).append(var)
         outs.extend(jnp.asarray(scope.deltas[id(v)], v.dtype) for v in record.delta_vars)
         outs.extend(jnp.asarray(scope.state_mapping[id(v)], v.dtype) for v in record.set_vars)
@@ -191,9 +199,9 @@ def _make_step(strategy, registry, exported, record: _Record, read_vars, iter_sp
 
     read = tuple(need(v) for v in read_vars)
     applies = []
-    for optimizer, variables, positions in record.applies:
+    for optimizer, variables, positions, step_pos in record.applies:
         for j in range(registry.num_ps):
-            applies.extend(_apply_programs(registry, optimizer, variables, positions, j, need))
+            applies.extend(_apply_programs(registry, optimizer, variables, positions, step_pos, j, need))
     deltas = tuple((record.num_results + _offset(record) + i, _targets(registry, v)) for i, v in enumerate(record.delta_vars))
     base = record.num_results + _offset(record) + len(record.delta_vars)
     sets = tuple((base + i, _targets(registry, v)) for i, v in enumerate(record.set_vars))
@@ -211,7 +219,7 @@ def _make_step(strategy, registry, exported, record: _Record, read_vars, iter_sp
 
 
 def _offset(record: _Record) -> int:
-    return sum(len(p) for _, _, p in record.applies)
+    return sum(len(p) + 1 for _, _, p, _ in record.applies)
 
 
 def _targets(registry, var) -> tuple:
@@ -230,7 +238,7 @@ def _local(registry, var, j) -> tuple[list, tuple | None]:
     return mine, tuple((s.start, s.stop) for s in mine)
 
 
-def _apply_programs(registry, optimizer, variables, positions, j, need) -> list:
+def _apply_programs(registry, optimizer, variables, positions, step_pos, j, need) -> list:
     subset, grad_slices, grad_avals = [], [], []
     for var, pos in zip(variables, positions):
         mine, bounds = _local(registry, var, j)
@@ -252,15 +260,16 @@ def _apply_programs(registry, optimizer, variables, positions, j, need) -> list:
         return []
     # Seed the discovery with what an update reads (the variables, their slots, the step counter
     # and learning rate), so that the first trace already sees this ps's rows of partitioned ones.
+    # The step counter is always an input: the count the worker's step saw (output step_pos).
     owned: dict[int, Any] = {id(v): v for v in subset}
-    foreign: dict[int, Any] = {}
+    foreign: dict[int, Any] = {id(optimizer._iterations): optimizer._iterations}
     for var in optimizer.variables:
         entry = registry.entry(var)
-        if entry is None:
+        if entry is None or var is optimizer._iterations:
             continue
         if _local(registry, var, j)[0]:
             owned.setdefault(id(var), var)
-        elif var is optimizer._iterations or var is getattr(optimizer, "_learning_rate", None):
+        elif var is getattr(optimizer, "_learning_rate", None):
             foreign[id(var)] = var
     for _ in range(6):
         owned_vars, foreign_vars = list(owned.values()), list(foreign.values())
@@ -305,7 +314,7 @@ def _apply_programs(registry, optimizer, variables, positions, j, need) -> list:
 
         owned_keys = tuple(tuple(s.key for s in _local(registry, v, j)[0]) for v in owned_vars)
         written_keys = tuple(tuple(s.key for s in _local(registry, v, j)[0]) for v in written_out)
-        foreign_keys = tuple(need(v) for v in foreign_vars)
+        foreign_keys = tuple(step_pos if v is optimizer._iterations else need(v) for v in foreign_vars)
         return [(j, next(_IDS), [ray.put(exported.serialize())], owned_keys, written_keys, foreign_keys, tuple(grad_slices))]
     raise RuntimeError(f"tracing the update of optimizer {optimizer.name!r} for ps {j} did not settle.")  # pragma: no cover
 

@@ -132,6 +132,18 @@ class ParameterServerStrategyExtended(StrategyExtended):
 
         return fit(self._container_strategy, model, *args, **kwargs)
 
+    def _keras_evaluate(self, model: Any, args: tuple, kwargs: dict) -> Any:
+        """``model.evaluate(*args, **kwargs)`` on the workers (called by the Keras seam, ``ps_hooks``)."""
+        from distribute.parameter_server.keras_eval import evaluate
+
+        return evaluate(self._container_strategy, model, *args, **kwargs)
+
+    def _keras_predict(self, model: Any, args: tuple, kwargs: dict) -> Any:
+        """``model.predict(*args, **kwargs)`` on the workers (called by the Keras seam, ``ps_hooks``)."""
+        from distribute.parameter_server.keras_eval import predict
+
+        return predict(self._container_strategy, model, *args, **kwargs)
+
     @contextlib.contextmanager
     def _scheduling(self) -> Iterator[None]:
         token = _SCHEDULING.set(True)
