@@ -159,10 +159,10 @@ def _make_fit_dataset_fn():
 
 def _fit_and_check(model):
     dc = distribute.DatasetCreator(_make_fit_dataset_fn())
-    history = model.fit(dc, epochs=5, steps_per_epoch=20, verbose=0)
-    assert int(model.optimizer.iterations.numpy()) == 100
+    history = model.fit(dc, epochs=3, steps_per_epoch=10, verbose=0)  # the tutorial: 5 epochs of 20
+    assert int(model.optimizer.iterations.numpy()) == 30
     losses = history.history["loss"]
-    assert len(losses) == 5 and all(np.isfinite(losses))
+    assert len(losses) == 3 and all(np.isfinite(losses))
     assert losses[-1] < losses[0]
 
 
@@ -302,14 +302,14 @@ def test_distributed_evaluation(strategy, coordinator, trained):
 def test_packed_steps_in_one_scheduled_function(strategy, coordinator):
     # "Performance improvement": steps_per_invocation steps of next()/run in one function.
     model, _, optimizer, accuracy = _build(strategy, learning_rate=0.001)
-    step_fn = _step_fn(strategy, model, optimizer, accuracy, steps_per_invocation=10)
+    step_fn = _step_fn(strategy, model, optimizer, accuracy, steps_per_invocation=4)
     dataset_fn, _ = _make_dataset_fn(feature_and_label_gen(), drop_remainder=True)
     iterator = iter(coordinator.create_per_worker_dataset(dataset_fn))
     coordinator.schedule(step_fn, args=(iterator,))
     coordinator.schedule(step_fn, args=(iterator,))
     coordinator.join()
-    assert int(optimizer.iterations.numpy()) == 20
-    assert float(accuracy.count.numpy()) == 20 * 32
+    assert int(optimizer.iterations.numpy()) == 8
+    assert float(accuracy.count.numpy()) == 8 * 32
 
 
 @pytest.mark.xfail(strict=True, reason="the tutorial's per_worker_dataset_fn (a function returning "
@@ -347,3 +347,92 @@ def test_the_tutorials_dataset_with_a_partial_batch_every_epoch(strategy, coordi
     finally:
         coordinator.join() if coordinator.done() else None
     assert int(optimizer.iterations.numpy()) == 16
+
+
+@pytest.mark.xfail(strict=True, raises=ValueError, reason="fit under ParameterServerStrategy refuses the project's "
+                   "own distribute.BackupAndRestore as a 'Batch-level Callback' (the tutorial's recovery path for fit)")
+def test_fit_with_distribute_backup_and_restore(strategy, tmp_path):
+    with strategy.scope():
+        model = keras.models.Sequential([keras.Input((10,)), keras.layers.Dense(10)])
+        model.compile(keras.optimizers.SGD(), loss="mse")
+    backup = distribute.BackupAndRestore(backup_dir=str(tmp_path / "backup"))
+    model.fit(distribute.DatasetCreator(_make_fit_dataset_fn()), epochs=2, steps_per_epoch=5, callbacks=[backup],
+              verbose=0)
+    assert int(model.optimizer.iterations.numpy()) == 10
+
+
+# -- handling task failure: checkpoints, and side-car evaluation ------------------------------------
+def _linear_setup(strategy, coordinator):
+    x = np.random.default_rng(0).normal(size=(64, 4)).astype(np.float32)
+    y = x.sum(axis=1, keepdims=True)
+
+    def dataset_fn():
+        return distribute.data.Dataset.from_tensor_slices((x, y)).repeat().batch(8, drop_remainder=True)
+
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+        optimizer = keras.optimizers.Adam(0.01)
+
+    def step_fn(iterator):
+        bx, by = next(iterator)
+
+        def loss_fn():
+            return keras.ops.mean((model(bx) - by) ** 2)
+
+        loss, grads = distribute.compute_gradients(loss_fn, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        return loss
+
+    return model, optimizer, step_fn, iter(coordinator.create_per_worker_dataset(dataset_fn)), (x, y)
+
+
+def _train_with_checkpoints(coordinator, model, optimizer, step_fn, iterator, checkpoint_dir, num_epoches):
+    """The tutorial's custom-loop recovery recipe, as written (tf.train -> distribute)."""
+    steps_per_epoch = 5
+    checkpoint_manager = distribute.CheckpointManager(
+        distribute.Checkpoint(model=model, optimizer=optimizer), checkpoint_dir, max_to_keep=3)
+    if checkpoint_manager.latest_checkpoint:
+        checkpoint = checkpoint_manager.checkpoint
+        checkpoint.restore(checkpoint_manager.latest_checkpoint).assert_existing_objects_matched()
+    global_steps = int(optimizer.iterations.numpy())
+    starting_epoch = global_steps // steps_per_epoch
+    for _ in range(starting_epoch, num_epoches):
+        for _ in range(steps_per_epoch):
+            coordinator.schedule(step_fn, args=(iterator,))
+        coordinator.join()
+        checkpoint_manager.save()
+    return starting_epoch
+
+
+def test_custom_loop_checkpoint_recovery_and_side_car_evaluation(strategy, coordinator, tmp_path):
+    checkpoint_dir = str(tmp_path / "ckpt")
+    model, optimizer, step_fn, iterator, (x, y) = _linear_setup(strategy, coordinator)
+    assert _train_with_checkpoints(coordinator, model, optimizer, step_fn, iterator, checkpoint_dir, 2) == 0
+    assert int(optimizer.iterations.numpy()) == 10
+    # A restarted coordinator: new variables (on the ps), restored, training resumes at epoch 2.
+    model2, optimizer2, step_fn2, iterator2, _ = _linear_setup(strategy, coordinator)
+    with strategy.scope():
+        optimizer2.build(model2.trainable_variables)
+    weights = model.get_weights()
+    assert _train_with_checkpoints(coordinator, model2, optimizer2, step_fn2, iterator2, checkpoint_dir, 3) == 2
+    assert int(optimizer2.iterations.numpy()) == 15
+    assert os.path.basename(distribute.latest_checkpoint(checkpoint_dir)) == "ckpt-3"
+
+    # Side-car evaluation: a model outside any strategy restores the latest checkpoint and evaluates.
+    eval_model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    eval_model.compile(loss="mse")
+    checkpoint = distribute.Checkpoint(model=eval_model)
+    checkpoint.restore(distribute.latest_checkpoint(checkpoint_dir)).expect_partial()
+    for got, want in zip(eval_model.get_weights(), model2.get_weights()):
+        np.testing.assert_array_equal(got, want)
+    kernel, bias = model2.get_weights()
+    np.testing.assert_allclose(eval_model.evaluate(x, y, verbose=0), np.mean((x @ kernel + bias - y) ** 2), rtol=1e-5)
+    # The restore really reached the ps: epoch 2 started from the checkpoint, not from fresh weights.
+    assert not all(np.array_equal(a, b) for a, b in zip(weights, model2.get_weights()))
+
+
+@pytest.mark.xfail(strict=True, raises=AttributeError, reason="tf.train.checkpoints_iterator (the tutorial's side-car "
+                   "evaluation loop) has no counterpart: distribute.checkpoint.checkpoints_iterator is missing")
+def test_side_car_checkpoints_iterator():
+    iterator = distribute.checkpoint.checkpoints_iterator
+    assert callable(iterator)
