@@ -436,3 +436,49 @@ def test_custom_loop_checkpoint_recovery_and_side_car_evaluation(strategy, coord
 def test_side_car_checkpoints_iterator():
     iterator = distribute.checkpoint.checkpoints_iterator
     assert callable(iterator)
+
+
+# -- the README's "Asynchronous training" loop, as written ------------------------------------------
+def test_readme_parameter_server_loop_as_written(strategy, coordinator):
+    from distribute.data import Dataset
+
+    rng = np.random.default_rng(0)
+    images = rng.normal(size=(256, 64)).astype(np.float32)
+    labels = (images[:, :10].argmax(axis=1)).astype(np.int32)  # learnable: the largest of the first 10 inputs
+    steps = 40
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(10)])
+        optimizer = keras.optimizers.Adam()
+        accuracy = keras.metrics.SparseCategoricalAccuracy()
+    loss_object = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+    def dataset_fn():  # runs on every worker
+        return Dataset.from_tensor_slices((images, labels)).shuffle(1024).repeat().batch(64, drop_remainder=True)
+
+    iterator = iter(coordinator.create_per_worker_dataset(dataset_fn))
+
+    def step(iterator):  # traced once on the coordinator, run by the workers
+        x, y = next(iterator)
+
+        def loss_fn():
+            logits = model(x, training=True)
+            return loss_object(y, logits), logits
+
+        (loss, logits), grads = distribute.compute_gradients(loss_fn, model.trainable_variables, has_aux=True)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        accuracy.update_state(y, logits)
+        return loss
+
+    def full_loss():
+        return float(loss_object(labels, model(images)))
+
+    before = full_loss()
+    for _ in range(steps):
+        loss = coordinator.schedule(step, args=(iterator,))  # a RemoteValue, at once
+    coordinator.join()  # then model, optimizer and metrics hold the ps values
+    assert int(optimizer.iterations.numpy()) == steps
+    assert float(accuracy.count.numpy()) == steps * 64
+    assert np.isfinite(float(loss.fetch()))
+    assert full_loss() < before  # 40 Adam steps on a linear problem lower the loss over all rows
+    logits = images @ model.get_weights()[0] + model.get_weights()[1]
+    np.testing.assert_allclose(np.asarray(model(images)), logits, rtol=1e-4, atol=1e-4)
