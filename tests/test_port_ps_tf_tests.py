@@ -237,6 +237,17 @@ def test_worker_index_dataset_fn_iterating_to_the_end(cluster):
     assert {int(r.fetch()) for r in results} <= {0 + 2 + 4 + 6 + 8, 1 + 3 + 5 + 7 + 9}
 
 
+@pytest.mark.xfail(strict=True, raises=ValueError, reason="a per-worker dataset whose last batch is smaller "
+                   "(range(10).batch(4).repeat(): 4, 4, 2 rows) fails at the 2-row batch: the scheduled function was "
+                   "traced for (4,) only; TF 2.21 runs it (measured sums 6, 22, 17 in turn on each worker)")
+def test_partial_batches_in_a_repeated_dataset(cluster):
+    _, coordinator = cluster
+    iterator = iter(coordinator.create_per_worker_dataset(lambda: Dataset.range(10).batch(4).repeat()))
+    results = [coordinator.schedule(lambda it: keras.ops.sum(next(it)), args=(iterator,)) for _ in range(8)]
+    coordinator.join()  # 8 steps on 2 workers: one of them reaches its 2-row batch
+    assert {int(r.fetch()) for r in results} <= {0 + 1 + 2 + 3, 4 + 5 + 6 + 7, 8 + 9}
+
+
 @pytest.mark.xfail(strict=True, raises=AttributeError, reason="PerWorkerDataset.build() is missing "
                    "(TF testPerWorkerDatasetBuild: a per-worker dataset passed to a scheduled function)")
 def test_per_worker_dataset_build(cluster):
