@@ -53,7 +53,7 @@ class DistributedDatasetSpec:
     options: Any = None
 
     def __iter__(self):
-        raise RuntimeError(
+        raise ValueError(
             "A dataset distributed by ParameterServerStrategy is built on the workers: pass it to "
             "ClusterCoordinator.create_per_worker_dataset(...) and iterate that inside scheduled functions."
         )

@@ -77,7 +77,11 @@ class _TracedIterator:
         self.count = 0
 
     def __iter__(self) -> _TracedIterator:
-        return self
+        raise TypeError(
+            "A per-worker iterator cannot be looped over (`for batch in iterator`) inside a scheduled "
+            "function: the function is compiled once for a fixed number of elements. Call next(iterator) a "
+            "fixed number of times per scheduled call (TF's tutorials do), and schedule more calls."
+        )
 
     def __next__(self) -> Any:
         if self.count < len(self._elements):
