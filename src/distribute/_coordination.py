@@ -114,7 +114,7 @@ def _join(cluster: _Cluster, timeout_seconds: float) -> Any:
         # In a process of its own, so that the survivors of a chief that dies keep it and name the chief.
         state.service = ServiceProcess(int(port), cluster.num_workers, heartbeat_timeout=backstop,
                                        shutdown_timeout=seconds, linger_seconds=seconds + 5,
-                                       start_timeout_seconds=seconds)
+                                       start_timeout_seconds=max(seconds, 60))
     state.num_processes = cluster.num_workers
     state.process_id = cluster.worker_id
     state.coordinator_address = cluster.coordinator
@@ -287,8 +287,11 @@ def _fail_fast_on_unhandled_exceptions(cluster: _Cluster, watchdog: _Watchdog) -
                 EXIT_WORKER_LOST,
             )
         previous(exc_type, exc, tb)
+        lost = issubclass(exc_type, WorkerLostError)  # a consequence of another worker's failure: not to be reported
+        if not lost:
+            watchdog.stop("failed:1")  # the others stop within a heartbeat period, naming this worker
         _stop_now(f"{cluster.names[cluster.worker_id]} stops on an unhandled {exc_type.__name__}; "
-                  "the other workers will stop too.", EXIT_WORKER_LOST if issubclass(exc_type, WorkerLostError) else 1)
+                  "the other workers will stop too.", EXIT_WORKER_LOST if lost else 1)
 
     sys.excepthook = hook
 
@@ -308,7 +311,6 @@ class _Watchdog(threading.Thread):
         self._client, self._cluster, self._timeout = client, cluster, timeout_seconds
         self._period = min(1.0, timeout_seconds / 4)
         self._stopped = threading.Event()
-        self._seen: dict[int, str | None] = {}  # the latest heartbeat value read from each other worker
         atexit.register(self.stop)
 
     def stop(self, final: str = "exited") -> None:
@@ -326,18 +328,22 @@ class _Watchdog(threading.Thread):
         """The other workers whose heartbeat does not advance over the next few periods (at most the timeout).
 
         Called after a collective failed because some peer's process ended: the
-        live ones keep beating, so the dead one is the one left.
+        live ones keep beating, so the dead one is the one left.  Empty when the
+        store cannot be read.
         """
-        before = dict(self._seen)
-        self._stopped.wait(min(self._timeout, 4 * self._period))
-        after = dict(self._seen)
-        return [w for w in before if after.get(w) == before[w] and before[w] != "exited"]
+        others = [w for w in range(self._cluster.num_workers) if w != self._cluster.worker_id]
+        try:
+            before = {w: self._try_get(self._key(w)) for w in others}
+            self._stopped.wait(min(self._timeout, 4 * self._period))
+            after = {w: self._try_get(self._key(w)) for w in others}
+        except Exception:  # noqa: BLE001 - the caller then names every candidate
+            return []
+        return [w for w in others if after[w] == before[w] and before[w] != "exited"]
 
     def run(self) -> None:
         cluster, beat = self._cluster, 0
         others = [w for w in range(cluster.num_workers) if w != cluster.worker_id]
         last = {w: (None, time.monotonic()) for w in others}
-        self._seen.update({w: None for w in others})
         service_ok = time.monotonic()
         while not self._stopped.wait(self._period):
             now = time.monotonic()
@@ -350,7 +356,6 @@ class _Watchdog(threading.Thread):
                 if now - service_ok > self._timeout and not self._stopped.is_set():
                     self._fail([0], f"the coordination service on it does not answer ({err})")
                 continue
-            self._seen.update(values)
             for w, value in values.items():
                 if value is not None and value.startswith("failed:") and not self._stopped.is_set():
                     self._fail([w], f"it exited with status {value.split(':', 1)[1]}")

@@ -58,7 +58,9 @@ def mark(state):
 if listening():
     try:  # the service of a previous job on this port, outliving its dead worker 0: that job is over
         pid, state = open(pid_file).read().split()
-        if state == "lingering":
+        with open(f"/proc/{int(pid)}/cmdline", "rb") as f:  # that pid is such a service still (not a reused pid)
+            theirs = b"distribute-coordination-" in f.read()
+        if state == "lingering" and theirs:
             os.kill(int(pid), signal.SIGTERM)
             deadline = time.monotonic() + 5
             while listening() and time.monotonic() < deadline:
