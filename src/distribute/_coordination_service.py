@@ -49,10 +49,13 @@ def listening():  # gRPC shares ports (SO_REUSEPORT): a second service would lis
             return True
 
 
-def mark(state):
-    with open(pid_file + ".tmp", "w") as f:
-        f.write(f"{os.getpid()} {state}")
-    os.replace(pid_file + ".tmp", pid_file)
+def mark(state):  # best effort: without the file, a relaunch on this port is refused until the linger ends
+    try:
+        with open(pid_file + f".{os.getpid()}", "w") as f:
+            f.write(f"{os.getpid()} {state}")
+        os.replace(pid_file + f".{os.getpid()}", pid_file)
+    except OSError:
+        pass
 
 
 if listening():
