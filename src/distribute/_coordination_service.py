@@ -40,10 +40,16 @@ pid_file = os.path.join(tempfile.gettempdir(), f"distribute-coordination-{port}.
 
 
 def listening():  # gRPC shares ports (SO_REUSEPORT): a second service would listen beside the first
-    with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as probe:
+    try:
+        probe = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)
+        address = ("::", int(port))
+    except OSError:  # no IPv6 here: gRPC listens on 0.0.0.0
+        probe = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        address = ("0.0.0.0", int(port))
+    with probe:
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
-            probe.bind(("::", int(port)))
+            probe.bind(address)
             return False
         except OSError:
             return True
