@@ -1,7 +1,8 @@
 """The cross-worker runtime under MultiWorkerMirroredStrategy.
 
 Reads the cluster once from a resolver, joins the workers through
-``jax.distributed`` with every wait bounded, publishes heartbeats so a lost
+``jax.distributed`` with every wait bounded (worker 0 starts the coordination
+service in a process of its own, ``_coordination_service``), publishes heartbeats so a lost
 worker is named within the timeout, and exchanges small values (batch sizes at
 each step, the random seed) through the coordination service's key-value store.
 """
@@ -20,6 +21,8 @@ from typing import Any
 
 import jax
 import numpy as np
+
+from distribute._coordination_service import ServiceProcess
 
 logger = logging.getLogger("distribute")
 EXIT_WORKER_LOST = 75  # a worker that stops because another one was lost (EX_TEMPFAIL: relaunch)
@@ -108,9 +111,10 @@ def _join(cluster: _Cluster, timeout_seconds: float) -> Any:
     backstop = 2 * seconds  # jax's own heartbeat abort; the watchdog below names the worker first
     port = cluster.coordinator.rsplit(":", 1)[1]
     if cluster.worker_id == 0:
-        state.service = _jax.get_distributed_runtime_service(
-            f"[::]:{port}", cluster.num_workers, heartbeat_timeout=backstop, shutdown_timeout=seconds
-        )
+        # In a process of its own, so that the survivors of a chief that dies keep it and name the chief.
+        state.service = ServiceProcess(int(port), cluster.num_workers, heartbeat_timeout=backstop,
+                                       shutdown_timeout=seconds, linger_seconds=seconds + 5,
+                                       start_timeout_seconds=max(seconds, 60))
     state.num_processes = cluster.num_workers
     state.process_id = cluster.worker_id
     state.coordinator_address = cluster.coordinator
@@ -139,7 +143,7 @@ def _join(cluster: _Cluster, timeout_seconds: float) -> Any:
     _start_preemption_service_keeping_sigterm(state)
     watchdog = _Watchdog(state.client, cluster, timeout_seconds)
     watchdog.start()
-    _fail_fast_on_unhandled_exceptions(cluster)
+    _fail_fast_on_unhandled_exceptions(cluster, watchdog)
     _fail_fast_on_exit(cluster, watchdog)
     return state.client
 
@@ -258,12 +262,13 @@ def _fail_fast_on_exit(cluster: _Cluster, watchdog: _Watchdog) -> None:
     atexit.register(at_exit)  # after the watchdog's own handler, so it runs first
 
 
-def _fail_fast_on_unhandled_exceptions(cluster: _Cluster) -> None:
+def _fail_fast_on_unhandled_exceptions(cluster: _Cluster, watchdog: _Watchdog) -> None:
     """A worker that dies of an exception exits at once, skipping jax.distributed's shutdown barrier.
 
     Otherwise it would wait there for workers that are themselves blocked in a
     collective with it, and the job would hang until the shutdown timeout; exiting
     lets the launcher (or the others' heartbeat check) stop the job within seconds.
+    A ``WorkerLostError`` exits with status 75 (``EXIT_WORKER_LOST``), as the watchdog does.
     """
     previous = sys.excepthook
 
@@ -272,6 +277,8 @@ def _fail_fast_on_unhandled_exceptions(cluster: _Cluster) -> None:
         if "Gloo" in text and ("reset by peer" in text or "closed" in text or "Read error" in text or "EOF" in text):
             # A peer's process ended inside a collective: gloo's message has an address, not a worker.
             peers = [w for w in range(cluster.num_workers) if w != cluster.worker_id]
+            if len(peers) > 1:  # the one whose heartbeat stopped (the watchdog may name it first, and exit)
+                peers = watchdog.silent_peers() or peers
             which = _missing_text(cluster, peers) if len(peers) == 1 else f"one of {_missing_text(cluster, peers)}"
             _stop_now(
                 f"MultiWorkerMirroredStrategy on {cluster.names[cluster.worker_id]}: lost {which} inside a step: "
@@ -280,8 +287,11 @@ def _fail_fast_on_unhandled_exceptions(cluster: _Cluster) -> None:
                 EXIT_WORKER_LOST,
             )
         previous(exc_type, exc, tb)
+        lost = issubclass(exc_type, WorkerLostError)  # a consequence of another worker's failure: not to be reported
+        if not lost:
+            watchdog.stop("failed:1")  # the others stop within a heartbeat period, naming this worker
         _stop_now(f"{cluster.names[cluster.worker_id]} stops on an unhandled {exc_type.__name__}; "
-                  "the other workers will stop too.", 1)
+                  "the other workers will stop too.", EXIT_WORKER_LOST if lost else 1)
 
     sys.excepthook = hook
 
@@ -313,6 +323,22 @@ class _Watchdog(threading.Thread):
 
     def _key(self, worker_id: int) -> str:
         return f"distribute/alive/{worker_id}"
+
+    def silent_peers(self) -> list[int]:
+        """The other workers whose heartbeat does not advance over the next few periods (at most the timeout).
+
+        Called after a collective failed because some peer's process ended: the
+        live ones keep beating, so the dead one is the one left.  Empty when the
+        store cannot be read.
+        """
+        others = [w for w in range(self._cluster.num_workers) if w != self._cluster.worker_id]
+        try:
+            before = {w: self._try_get(self._key(w)) for w in others}
+            self._stopped.wait(min(self._timeout, 4 * self._period))
+            after = {w: self._try_get(self._key(w)) for w in others}
+        except Exception:  # noqa: BLE001 - the caller then names every candidate
+            return []
+        return [w for w in others if after[w] == before[w] and before[w] != "exited"]
 
     def run(self) -> None:
         cluster, beat = self._cluster, 0

@@ -12,8 +12,9 @@ whole cluster (free 127.0.0.1 ports) and its own task, as
 `--devices-per-worker K` each worker sees K CPU devices
 (`XLA_FLAGS=--xla_force_host_platform_device_count=K`, `JAX_PLATFORMS=cpu`).
 Output lines are prefixed with the task (`[worker 1] ...`). If one task
-exits non-zero the others are stopped (SIGTERM, then SIGKILL after a grace
-period) and the launcher exits non-zero naming it; Ctrl-C and SIGTERM are
+exits non-zero the others get a grace period to stop by themselves (a
+MultiWorkerMirroredStrategy worker then names the lost one), then are stopped
+(SIGTERM, then SIGKILL after the grace period) and the launcher exits non-zero naming it; Ctrl-C and SIGTERM are
 forwarded to every task (a PreemptionCheckpointHandler then saves and exits;
 give it `--grace-seconds` longer than a step plus a save). The exit status is
 0 only when every task exits 0.
@@ -277,6 +278,22 @@ def _stop(tasks: list[_Task], signum: int, grace_seconds: float, signals: _Signa
             pass
 
 
+def _let_stop_by_themselves(tasks: list[_Task], grace_seconds: float, signals: _Signals) -> None:
+    """After a task failed: gives the others `grace_seconds` to stop on their own before they are signalled.
+
+    A MultiWorkerMirroredStrategy worker stops by itself when a peer is lost,
+    naming it (within its CommunicationOptions.timeout_seconds); a SIGTERM first
+    would end it without that message (or start a preemption save that cannot
+    complete without the lost worker).
+    """
+    count = len(signals.received)
+    deadline = time.monotonic() + grace_seconds
+    while time.monotonic() < deadline and len(signals.received) == count:
+        if all(task.proc.poll() is not None for task in tasks):
+            return
+        time.sleep(_POLL_SECONDS)
+
+
 def _status(exit_code: int) -> int:
     return 128 - exit_code if exit_code < 0 else exit_code
 
@@ -308,7 +325,8 @@ def launch(argv_or_command: Sequence[str] | str, num_workers: int, devices_per_w
         timeout_seconds: If given, tasks still running after this long are
             stopped and the result has `timed_out` and returncode 124.
         grace_seconds: How long stopped tasks get between SIGTERM (or a
-            forwarded SIGINT) and SIGKILL.
+            forwarded SIGINT) and SIGKILL; after a task failed, also how long
+            the others get to stop by themselves before the SIGTERM.
         echo: Whether to print the prefixed output as it arrives.
 
     Returns:
@@ -344,7 +362,9 @@ def launch(argv_or_command: Sequence[str] | str, num_workers: int, devices_per_w
                 if failed is not None:
                     others = [t.name for t in tasks if t is not failed and t.proc.poll() is None]
                     output.note(f"{failed.name} {_describe(failed.proc.returncode)}; stopping "
-                                f"{', '.join(others) if others else 'nothing (all others exited)'}")
+                                f"{', '.join(others) if others else 'nothing (all others exited)'}"
+                                f"{f' (SIGTERM unless they stop within {grace_seconds:g} s)' if others else ''}")
+                    _let_stop_by_themselves(tasks, grace_seconds, signals)
                     _stop(tasks, signal.SIGTERM, grace_seconds, signals)
                     returncode = _status(failed.proc.returncode)
                     break

@@ -2,7 +2,8 @@
 
 Every worker runs the same program.  The cluster comes from a ClusterResolver
 (TF_CONFIG by default); ``jax.distributed`` joins the workers (its coordination
-service runs on the chief, or worker 0); the strategy's mesh has one axis,
+service runs in a process of its own that the chief, or worker 0, starts on its
+TF_CONFIG port, so it outlives a chief that dies); the strategy's mesh has one axis,
 ``"replica"``, over all workers' devices, worker 0's first.  Collectives inside
 compiled steps go over gloo on CPU (NCCL on GPU).
 
@@ -12,8 +13,9 @@ service's key-value store (a few bytes, with a timeout): a step runs while any
 worker still has data, workers without data give their replicas no rows (the exact uneven step),
 and all of them stop together, so uneven input never hangs.  A worker that does
 not answer within ``CommunicationOptions.timeout_seconds`` is named in the error;
-a worker that dies is detected by the coordination service's heartbeats within
-the same timeout, and every surviving worker stops with a message naming it.
+a worker that dies (the chief included) is detected by the heartbeats this
+package publishes in the coordination service within the same timeout, and
+every surviving worker stops (exit status 75) with a message naming it.
 """
 
 from __future__ import annotations
@@ -291,12 +293,12 @@ class MultiWorkerMirroredStrategy(Strategy):
     Raises:
         ValueError: a cluster that names no task for this process, or a ps /
             evaluator task.
-        RuntimeError: created after JAX started its backend, or jax.distributed
-            already joined a different cluster.
+        RuntimeError: created after JAX started its backend, jax.distributed
+            already joined a different cluster, or (on worker 0) the coordination
+            service could not listen on worker 0's port (the message names it).
         WorkerLostError: the workers did not all join within the timeout, where
-            jaxlib reports it; jaxlib's coordination client may instead end the
-            process itself after the timeout ("Terminating process because the JAX
-            distributed service detected fatal errors").
+            jaxlib reports it; otherwise the process ends at the timeout with
+            status 75 and a message naming the workers that never joined.
     """
 
     _extended_cls = MultiWorkerExtended

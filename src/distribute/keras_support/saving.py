@@ -13,6 +13,10 @@ process), and inside the scope those would be cross-worker variables whose
 creation is a collective, so a save on the chief alone (``if chief:
 model.save(...)``, or ``ModelCheckpoint`` given to the chief only) waited for
 the other workers and failed.
+
+Keras' ``TensorBoard`` callback likewise writes from the chief only, as TF's
+(``distributed_file_utils.write_dirpath``): another worker's writers go to
+``{log_dir}/workertemp_{worker_id}``, which it deletes at the end of ``fit``.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from typing import Any
 
 import keras
 
-from distribute import _context
+from distribute import _context, _keras
 
 _PATCHED = ("save", "save_weights")
 
@@ -62,8 +66,51 @@ def _wrap(original: Any) -> Any:
 
 
 def install() -> None:
-    """Patches ``keras.Model.save`` and ``save_weights`` once per process (idempotent)."""
+    """Patches ``keras.Model.save``, ``save_weights`` and the ``TensorBoard`` callback once per process (idempotent)."""
     for name in _PATCHED:
         current = getattr(keras.Model, name)
         if not getattr(current, "_distribute_saving", False):
             setattr(keras.Model, name, _wrap(current))
+    if not getattr(keras.callbacks.TensorBoard.set_model, "_distribute_saving", False):
+        _keras.patch(keras.callbacks.TensorBoard, "set_model", _tensorboard_set_model)
+        _keras.patch(keras.callbacks.TensorBoard, "on_train_end", _tensorboard_on_train_end)
+
+
+def _tensorboard_temp_dir(callback: Any, model: Any) -> str | None:
+    """A non-chief worker's TensorBoard directory, ``log_dir/workertemp_N``; None on the chief or a single worker."""
+    cluster = _cluster_of(model)
+    if cluster is None or cluster.is_chief:
+        return None
+    return os.path.join(callback.log_dir, f"workertemp_{cluster.worker_id}")
+
+
+def _tensorboard_set_model(original: Any) -> Any:
+    def set_model(self: Any, model: Any) -> None:
+        temp = _tensorboard_temp_dir(self, model)
+        if temp is None:
+            return original(self, model)
+        log_dir = self.log_dir
+        os.makedirs(temp, exist_ok=True)  # as TF's write_dirpath
+        self.log_dir = temp  # Keras' set_model derives every writer's directory from log_dir
+        try:
+            original(self, model)
+        except BaseException:  # e.g. Keras' own error when TensorFlow is not installed: leave nothing behind
+            shutil.rmtree(temp, ignore_errors=True)
+            raise
+        finally:
+            self.log_dir = log_dir
+
+    set_model._distribute_saving = True  # type: ignore[attr-defined]
+    return set_model
+
+
+def _tensorboard_on_train_end(original: Any) -> Any:
+    def on_train_end(self: Any, logs: Any = None) -> None:
+        try:
+            original(self, logs)  # closes the writers
+        finally:
+            temp = _tensorboard_temp_dir(self, self.model)
+            if temp is not None:
+                shutil.rmtree(temp, ignore_errors=True)  # as TF's remove_temp_dirpath
+
+    return on_train_end
