@@ -1,0 +1,65 @@
+"""The TF_CONFIG path of ParameterServerStrategy on one machine, through the launcher (`--num-ps`).
+
+A subprocess test with its own timeout: `python -m distribute.launch --num-workers 2
+--num-ps 1 ps_launch_job.py` gives the chief, the 2 workers and the ps their
+TF_CONFIG; the chief starts the Ray head at its address, the ps and worker tasks
+join it with `distribute.Server` and host their actors; all tasks exit when the
+chief's program ends.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import distribute.launch as launch_module
+from distribute.launch import build_ps_cluster, launch_parameter_server
+
+pytestmark = pytest.mark.multiprocess
+
+SRC = str(Path(launch_module.__file__).resolve().parents[1])
+JOB = str(Path(__file__).with_name("ps_launch_job.py"))
+CHILD_ENV = {"PYTHONPATH": os.pathsep.join(p for p in (SRC, os.environ.get("PYTHONPATH")) if p),
+             "KERAS_BACKEND": "jax", "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+
+
+def test_ps_cluster_has_tfs_jobs():
+    cluster = build_ps_cluster(2, 1)
+    assert list(cluster) == ["chief", "worker", "ps"]
+    assert [len(cluster[j]) for j in cluster] == [1, 2, 1]
+    addresses = [a for job in cluster.values() for a in job]
+    assert len(set(addresses)) == 4 and all(a.startswith("127.0.0.1:") for a in addresses)
+    with pytest.raises(ValueError, match="num_ps is 0; ParameterServerStrategy needs an integer >= 1"):
+        launch_parameter_server(["job.py"], 2, 0)
+
+
+def test_launcher_trains_with_two_workers_and_one_ps():
+    proc = subprocess.run(
+        [sys.executable, "-m", "distribute.launch", "--num-workers", "2", "--num-ps", "1", "--timeout-seconds", "400",
+         JOB],
+        capture_output=True, text=True, timeout=480, env={**os.environ, **CHILD_ENV},
+    )
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-6000:]
+    assert "[launch] chief 0 exited with code 0; stopping the ps and worker tasks" in output
+    assert "exit codes: chief 0: 0, worker 0: 0, worker 1: 0, ps 0: 0; exiting with 0" in output, output[-3000:]
+    line = next(row for row in output.splitlines() if row.startswith("[chief 0] RESULT "))
+    result = json.loads(line.removeprefix("[chief 0] RESULT "))
+    # Each task's Ray node offers its own resource, and the actors were pinned to them.
+    assert result["task_resources"] == ["distribute_chief", "distribute_ps_0", "distribute_worker_0",
+                                        "distribute_worker_1"]
+    assert (result["num_workers"], result["num_ps"]) == (2, 1)
+    assert result["total"] == 10  # additive updates are exact under asynchrony
+    assert result["iterations"] == 300  # every scheduled step applied exactly once
+    assert result["devices"] == ["/job:ps/replica:0/task:0/device:CPU:0"]
+    assert result["last_loss"] < 1e-3 < result["first_loss"]
+    np.testing.assert_allclose(result["kernel"], [1.0, -2.0, 0.5, 3.0], atol=0.02)
+    np.testing.assert_allclose(result["bias"], [0.7], atol=0.02)
+    for task in ("worker 0", "worker 1", "ps 0"):
+        assert f"[{task}] distribute.Server: {task} joined the Ray head" in output
