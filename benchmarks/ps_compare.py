@@ -12,8 +12,9 @@ machine load hits both systems alike.  Reported: median examples/s with min-max.
   per-step time against a raw Ray round trip (``ray.get(actor.ping.remote())``
   to the same ps actor) and against the step's compute alone (the same jitted
   forward+backward+Adam on one device, in process).
-* tf: TF 2.21's own in-process cluster (``tf.distribute.Server`` per worker and
-  ps task on loopback, ``SimpleClusterResolver``, ``ParameterServerStrategy``,
+* tf: TF 2.21's own in-process cluster, as its parameter_server_training tutorial
+  builds it (``tf.distribute.Server`` per worker and ps task on loopback in this
+  process, ``SimpleClusterResolver``, ``ParameterServerStrategy``,
   ``ClusterCoordinator``), the same model as ``tf.Variable`` s with Adam written
   out (Keras 3 has no parameter-server support), ``tf.function`` step over a
   per-worker ``tf.data`` dataset; the same schedule/join timing.
@@ -156,16 +157,17 @@ def child_tf(workers: int, steps: int, warmup: int) -> dict:
 
     x, y = _data()
     t0 = time.perf_counter()
-    p = ports(workers + 2)
-    spec = {"chief": [f"127.0.0.1:{p[0]}"], "worker": [f"127.0.0.1:{q}" for q in p[1:1 + workers]],
-            "ps": [f"127.0.0.1:{p[-1]}"]}
+    # TF's parameter_server_training tutorial, create_in_process_cluster: worker and ps servers in this process;
+    # the strategy adds this process as the chief (coordinator).
+    os.environ.setdefault("GRPC_FAIL_FAST", "use_caller")
+    p = ports(workers + 1)
+    spec = {"worker": [f"127.0.0.1:{q}" for q in p[:workers]], "ps": [f"127.0.0.1:{p[-1]}"]}
     cluster_spec = tf.train.ClusterSpec(spec)
     worker_config = tf.compat.v1.ConfigProto(inter_op_parallelism_threads=1)
     servers = [tf.distribute.Server(cluster_spec, job_name="worker", task_index=i, config=worker_config,
                                     protocol="grpc") for i in range(workers)]
     servers.append(tf.distribute.Server(cluster_spec, job_name="ps", task_index=0, protocol="grpc"))
-    resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(cluster_spec, task_type="chief", task_id=0,
-                                                                    rpc_layer="grpc")
+    resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(cluster_spec, rpc_layer="grpc")
     strategy = tf.distribute.ParameterServerStrategy(resolver)
     coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
     startup = time.perf_counter() - t0
