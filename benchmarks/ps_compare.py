@@ -53,7 +53,6 @@ def _data():
 # -- ours ------------------------------------------------------------------------------------------------------------
 def child_ours(workers: int, steps: int, warmup: int) -> dict:
     import keras
-    import numpy as np
 
     import distribute
     from distribute.coordinator import ClusterCoordinator
@@ -163,7 +162,9 @@ def child_tf(workers: int, steps: int, warmup: int) -> dict:
     p = ports(workers + 1)
     spec = {"worker": [f"127.0.0.1:{q}" for q in p[:workers]], "ps": [f"127.0.0.1:{p[-1]}"]}
     cluster_spec = tf.train.ClusterSpec(spec)
-    worker_config = tf.compat.v1.ConfigProto(inter_op_parallelism_threads=1)
+    worker_config = tf.compat.v1.ConfigProto()
+    if (os.cpu_count() or 1) < workers + 1:  # as the tutorial
+        worker_config.inter_op_parallelism_threads = workers + 1
     servers = [tf.distribute.Server(cluster_spec, job_name="worker", task_index=i, config=worker_config,
                                     protocol="grpc") for i in range(workers)]
     servers.append(tf.distribute.Server(cluster_spec, job_name="ps", task_index=0, protocol="grpc"))
