@@ -63,3 +63,42 @@ def test_launcher_trains_with_two_workers_and_one_ps():
     np.testing.assert_allclose(result["bias"], [0.7], atol=0.02)
     for task in ("worker 0", "worker 1", "ps 0"):
         assert f"[{task}] distribute.Server: {task} joined the Ray head" in output
+
+
+def test_server_and_head_refuse_bad_setups_with_the_fix(monkeypatch):
+    import distribute
+    from distribute.parameter_server import nodes
+
+    spec = {"chief": ["127.0.0.1:1"], "worker": ["127.0.0.1:2"], "ps": ["127.0.0.1:3"]}
+    with pytest.raises(ValueError, match="runs a Server on its 'ps' and 'worker' tasks only"):
+        distribute.Server(spec, job_name="chief", task_index=0, start=False)
+    with pytest.raises(ValueError, match="task_index=1 is not a task of job 'ps'"):
+        distribute.Server(spec, job_name="ps", task_index=1, start=False)
+    with pytest.raises(ValueError, match="has no 'chief' job; its address is the Ray head's"):
+        distribute.Server({"worker": ["h:2"], "ps": ["h:3"]}, job_name="ps", task_index=0, start=False)
+    server = distribute.Server(spec, job_name="worker", task_index=0, protocol="grpc", start=False)
+    assert (server.target, server.protocol) == ("127.0.0.1:1", "grpc")
+    assert nodes.node_resource("ps", 0) == "distribute_ps_0"
+    monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
+    with pytest.raises(ValueError, match="RAY_AUTH_MODE is unset. Set it in the environment of every task"):
+        nodes.start_or_join_head("127.0.0.1:1")
+    with pytest.raises(ValueError, match="is not 'host:port'"):
+        nodes.start_or_join_head("nohost")
+
+
+def test_strategy_reads_tf_config_only_when_it_has_ps(monkeypatch):
+    from distribute.parameter_server import cluster
+
+    monkeypatch.delenv("TF_CONFIG", raising=False)
+    assert cluster.tf_config_resolver() is None  # embedded cluster
+    monkeypatch.setenv("TF_CONFIG", json.dumps({"cluster": {"worker": ["h:1", "h:2"]}, "task": {"type": "worker", "index": 0}}))
+    assert cluster.tf_config_resolver() is None  # a MultiWorkerMirroredStrategy cluster
+    tf_config = {"cluster": {"chief": ["127.0.0.1:5"], "worker": ["h:1", "h:2"], "ps": ["h:3"]},
+                 "task": {"type": "chief", "index": 0}}
+    monkeypatch.setenv("TF_CONFIG", json.dumps(tf_config))
+    resolver = cluster.tf_config_resolver()
+    assert resolver.task_type == "chief"
+    assert cluster._chief_address(resolver) == "127.0.0.1:5"  # the Ray head's address
+    tf_config["task"] = {"type": "worker", "index": 1}
+    monkeypatch.setenv("TF_CONFIG", json.dumps(tf_config))
+    assert cluster._chief_address(cluster.tf_config_resolver()) is None  # only the chief starts the head
