@@ -102,3 +102,38 @@ def test_strategy_reads_tf_config_only_when_it_has_ps(monkeypatch):
     tf_config["task"] = {"type": "worker", "index": 1}
     monkeypatch.setenv("TF_CONFIG", json.dumps(tf_config))
     assert cluster._chief_address(cluster.tf_config_resolver()) is None  # only the chief starts the head
+
+
+def _fake_host(tmp_path, monkeypatch, body):
+    """Stands in for the ps/worker Server (no Ray): the launcher's supervision alone."""
+    host = tmp_path / "host.py"
+    host.write_text(body)
+    monkeypatch.setattr(launch_module, "PS_HOST_COMMAND", (str(host),))
+
+
+def test_a_dying_ps_task_is_named_and_stops_the_job(tmp_path, monkeypatch):
+    _fake_host(tmp_path, monkeypatch, "import json, os, sys, time\n"
+               "task = json.loads(os.environ['TF_CONFIG'])['task']\n"
+               "time.sleep(0.5 if task['type'] == 'ps' else 60)\n"
+               "sys.exit(3)\n")
+    chief = tmp_path / "chief.py"
+    chief.write_text("import time\ntime.sleep(60)\n")
+    result = launch_parameter_server([str(chief)], 2, 1, env=CHILD_ENV, timeout_seconds=30, grace_seconds=2,
+                                     echo=False)
+    assert result.failed_task == "ps 0" and result.returncode == 3 and not result.timed_out
+    assert "[launch] ps 0 exited with code 3 while the chief was running; stopping every task" in result.output
+    assert result.exit_codes["ps 0"] == 3 and result.exit_codes["chief 0"] < 0
+
+
+def test_every_task_ends_when_the_chief_ends_with_its_status(tmp_path, monkeypatch):
+    _fake_host(tmp_path, monkeypatch, "import time\ntime.sleep(60)\n")
+    chief = tmp_path / "chief.py"
+    chief.write_text("import json, os, sys\nprint(sorted(json.loads(os.environ['TF_CONFIG'])['cluster']), "
+                     "os.environ['RAY_AUTH_MODE'])\nsys.exit(5)\n")
+    result = launch_parameter_server([str(chief)], 2, 1, env=CHILD_ENV, timeout_seconds=30, grace_seconds=2,
+                                     echo=False)
+    assert result.returncode == 5 and result.failed_task == "chief 0"
+    assert [t.name for t in result.tasks] == ["chief 0", "worker 0", "worker 1", "ps 0"]
+    assert "[chief 0] ['chief', 'ps', 'worker'] token" in result.output  # every task's Ray uses tokens
+    assert "[launch] chief 0 exited with code 5; stopping the ps and worker tasks" in result.output
+    assert all(t.exit_code != 0 for t in result.tasks[1:])  # stopped by the launcher (SIGTERM)
