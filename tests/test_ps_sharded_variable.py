@@ -203,3 +203,26 @@ def test_checkpoint_of_3_shards_restores_into_2_shards_and_unpartitioned(three_p
     distribute.Checkpoint(model=plain).restore(path)
     for got, want in zip(plain.get_weights(), saved):
         np.testing.assert_array_equal(got, want)
+
+
+def test_keras_fit_with_a_partitioned_embedding_equals_one_device(three_ps):
+    # Model.fit under ParameterServerStrategy with sharded Embedding/Dense variables: one worker, so the
+    # updates are in order and fit equals one device's fit on the same batches.
+    strategy, _ = three_ps
+    x, y = _data()
+
+    def compiled():
+        model = _model()
+        model.compile(optimizer=keras.optimizers.Adam(0.05), loss="mse")
+        return model
+
+    with strategy.scope():
+        model = compiled()
+    history = model.fit(x, y, batch_size=8, epochs=2, steps_per_epoch=4, shuffle=False, verbose=0)
+    assert isinstance(model.layers[0].embeddings, ShardedVariable)
+    reference = compiled()
+    want = reference.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    for got, expected in zip(model.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(history.history["loss"], want.history["loss"], rtol=1e-5)
+    assert int(model.optimizer.iterations.numpy()) == 8
