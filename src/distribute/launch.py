@@ -512,7 +512,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--num-workers", type=int, required=True, help="number of 'worker' tasks")
     parser.add_argument("--num-ps", type=int, default=None,
                         help="ParameterServerStrategy: P 'ps' tasks and a chief (the coordinator, which alone runs "
-                             "the program); ps and workers host their Ray actors")
+                             "the program); ps and workers host their Ray actors; stopped tasks get at least 10 s")
     parser.add_argument("--devices-per-worker", type=int, default=None,
                         help="CPU devices per task (sets XLA_FLAGS and JAX_PLATFORMS=cpu)")
     parser.add_argument("--chief", action="store_true", help="add one 'chief' task besides the workers")
