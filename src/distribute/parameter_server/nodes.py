@@ -176,6 +176,10 @@ class _RayStart:
         return True
 
 
+def _lock_path(port: int) -> str:
+    return os.path.join(tempfile.gettempdir(), f"distribute-ray-start-{port}.lock")
+
+
 @contextlib.contextmanager
 def _one_start_at_a_time(port: int) -> Iterator[None]:
     """Serializes Ray node start-ups on this machine for one cluster.
@@ -189,8 +193,7 @@ def _one_start_at_a_time(port: int) -> Iterator[None]:
     except ImportError:  # pragma: no cover - not POSIX
         yield
         return
-    path = os.path.join(tempfile.gettempdir(), f"distribute-ray-start-{port}.lock")
-    with open(path, "w") as handle:
+    with open(_lock_path(port), "w") as handle:
         fcntl.flock(handle, fcntl.LOCK_EX)
         try:
             yield
@@ -228,7 +231,7 @@ def start_or_join_head(chief_address: str, timeout_seconds: float = 120.0) -> st
         head = _RayStart(["start", "--head", "--block", f"--port={port}", f"--node-ip-address={host}",
                           "--include-dashboard=false", "--disable-usage-stats", "--num-cpus=0",
                           f"--resources={json.dumps({_HEAD_RESOURCE: 1})}"], env)
-        atexit.register(_stop_head, head.proc)
+        atexit.register(_stop_head, head.proc, port)
         if not head.wait_started(timeout_seconds):
             _stop(head.proc)
             raise RuntimeError(
@@ -239,7 +242,7 @@ def start_or_join_head(chief_address: str, timeout_seconds: float = 120.0) -> st
     return chief_address
 
 
-def _stop_head(head: subprocess.Popen) -> None:
+def _stop_head(head: subprocess.Popen, port: int) -> None:
     try:
         import ray
 
@@ -247,6 +250,8 @@ def _stop_head(head: subprocess.Popen) -> None:
             ray.shutdown()
     finally:
         _stop(head)
+        with contextlib.suppress(OSError):
+            os.remove(_lock_path(port))
 
 
 def wait_for_tasks(num_workers: int, num_ps: int, timeout_seconds: float = 300.0) -> None:
