@@ -71,9 +71,6 @@ def test_input_function(cluster):
     assert int(v.numpy()) == 2
 
 
-@pytest.mark.xfail(strict=True, reason="a variable read on the coordinator after RemoteValue.fetch() (no join) "
-                   "still has its old value: the coordinator's copies are refreshed only by join(); TF reads the ps "
-                   "(testInputFunction, testBasicVariableAssignment, testRunAndReduceWithAssignAdd assert it)")
 def test_variable_read_after_fetch_without_join_is_the_ps_value(cluster):
     # TF testBasicVariableAssignment: v1 += 0.1, v2 -= 0.2, fetch, then read v1 and v2 (no join).
     strategy, coordinator = cluster

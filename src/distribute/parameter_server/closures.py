@@ -62,6 +62,7 @@ class ClosureQueue:
         self._error: BaseException | None = None
         self._stopped = False
         self.live_workers = 0
+        self.finished = 0  # closures completed so far (the coordinator refreshes its copies after progress)
 
     def put(self, closure: Closure) -> None:
         with self._cond:
@@ -85,6 +86,7 @@ class ClosureQueue:
     def mark_finished(self) -> None:
         with self._cond:
             self._inflight -= 1
+            self.finished += 1
             self._cond.notify_all()
 
     def put_back(self, closure: Closure) -> None:

@@ -53,6 +53,7 @@ class ClusterCoordinator:
         self._strategy = strategy
         self._cluster = strategy.extended._cluster
         self._queue = ClosureQueue()
+        self._refreshed_at = 0
         self._threads = [WorkerThread(i, self._cluster, self._queue) for i in range(len(self._cluster.workers))]
         self._steps: dict = {}
         strategy._cluster_coordinator = self
@@ -128,6 +129,7 @@ class ClusterCoordinator:
             step = program.trace_step(self._strategy, fn, treedef, kinds, statics, avals, iter_specs)
             self._steps[key] = step
         remote_value = RemoteValue()
+        remote_value._after_fetch = self._refresh_after_progress
         self._queue.put(Closure(step, arrays, remote_value))
         return remote_value
 
@@ -149,10 +151,25 @@ class ClusterCoordinator:
         return finished
 
     def fetch(self, val: Any) -> Any:
-        """``RemoteValue.fetch()`` over a nested structure; other leaves are returned unchanged."""
-        return jax.tree_util.tree_map(
-            lambda v: v.fetch() if isinstance(v, RemoteValue) else v, val, is_leaf=lambda x: isinstance(x, RemoteValue)
+        """``RemoteValue.fetch()`` over a nested structure; other leaves are returned unchanged.
+
+        Afterwards the coordinator's variables hold the ps values (TF reads them
+        from the ps), so a variable read after ``fetch`` sees the fetched
+        functions' updates: one read of every ps variable when closures finished
+        since the last refresh.
+        """
+        out = jax.tree_util.tree_map(
+            lambda v: v._fetch_value() if isinstance(v, RemoteValue) else v, val, is_leaf=lambda x: isinstance(x, RemoteValue)
         )
+        self._refresh_after_progress()
+        return out
+
+    def _refresh_after_progress(self) -> None:
+        """Reads the ps values into the coordinator's copies, when closures finished since the last read."""
+        finished = self._queue.finished
+        if finished != self._refreshed_at:
+            self._refreshed_at = finished
+            self._strategy.extended._refresh()
 
     # -- datasets ------------------------------------------------------------------------------
     def create_per_worker_dataset(self, dataset_fn: Any) -> PerWorkerDataset:

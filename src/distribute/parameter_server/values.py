@@ -38,6 +38,7 @@ class RemoteValue:
         self._status = RemoteValueStatus.NOT_READY
         self._value: Any = None
         self._error: BaseException | None = None
+        self._after_fetch: Any = None  # set by the coordinator: refresh its variable copies from the ps
 
     # -- set by the coordinator --------------------------------------------------------
     def _set_value(self, value: Any) -> None:
@@ -69,6 +70,12 @@ class RemoteValue:
                 function.") or aborted.
             Exception: the function's own error, with its own type.
         """
+        value = self._fetch_value()
+        if self._after_fetch is not None:
+            self._after_fetch()
+        return value
+
+    def _fetch_value(self) -> Any:
         self._event.wait()
         if self._error is not None:
             raise self._error
