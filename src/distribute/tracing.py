@@ -27,6 +27,7 @@ BatchNorm's moving statistics sync-on-read MEAN variables).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import threading
 from typing import Any, Callable
 
@@ -324,7 +325,7 @@ def _run_uneven(strategy, fn, treedef, kinds, dynamic, statics, key, lengths) ->
         known_vals = [_strongly_typed(_local_value(v, context._device)) for v in known]
         local_program = None if multi_process else _local_program(strategy, fn, treedef, kinds, statics, key, known, program.write_vars, context, known_vals, dynamic_local)
         if context._agree(local_program is not None):
-            replica_id = jax.device_put(jnp.asarray(context._replica, jnp.int32), context._device)
+            replica_id = _replica_id_on(context._replica, context._device)
             new_vals, arrays = jax.block_until_ready(local_program.compiled(known_vals, dynamic_local, replica_id))
             written, out_tree, plain = local_program.written, local_program.out_tree, local_program.plain
             arrays = iter(arrays)
@@ -400,6 +401,12 @@ _EAGER = "eager"  # cached in place of a _LocalProgram: this code runs eagerly p
 _LOCAL_TRACE_LOCK = threading.Lock()
 
 
+@functools.lru_cache(maxsize=None)
+def _replica_id_on(replica: int, device: Any) -> jax.Array:
+    """The int32 replica id on its device, the argument of a replica's compiled program (made once)."""
+    return jax.device_put(jnp.asarray(replica, jnp.int32), device)
+
+
 def _strongly_typed(x: Any) -> Any:
     """``x`` without JAX's weak type (a variable's first value may be weakly typed, its later ones not):
     one compiled replica program serves every step."""
@@ -444,7 +451,7 @@ def _trace_local_program(strategy, fn, treedef, kinds, statics, cache_key, known
         new = [scope.state_mapping[id(v)] if id(v) in scope.written else by_id[id(v)] for v in written]
         return [jnp.asarray(n, dtype=v.dtype) for n, v in zip(new, written)], [_as_output(x) for x in out_leaves if not _is_python_constant(x)]
 
-    replica_id = jax.device_put(jnp.asarray(context._replica, jnp.int32), context._device)
+    replica_id = _replica_id_on(context._replica, context._device)
     try:
         traced = jax.jit(local_fn).trace(known_vals, dynamic_local, replica_id)
     except Exception:  # noqa: BLE001 - any code the tracer cannot take runs eagerly, as before

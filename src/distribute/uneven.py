@@ -1,15 +1,16 @@
 """The exact uneven step: every replica runs on exactly its real rows.
 
-A step whose batch does not divide evenly between the replicas (at most one per
-epoch) cannot be one SPMD program: the replicas' shapes differ.  It runs as
-TensorFlow's eager MirroredStrategy runs every step: one thread per local replica,
-each calling the replica function eagerly on its own device with its own rows
+A step whose batch does not divide evenly between the replicas (an epoch's last,
+or every step when the global batch does not divide by the replicas) cannot be
+one SPMD program: the replicas' shapes differ.  It runs as TensorFlow's
+MirroredStrategy runs every step: one thread per local replica, each calling the
+replica function on its own device with its own rows
 (TF's layout: contiguous chunks of ``ceil(b / R)`` rows in replica order, so 3
 rows over 2 replicas give 2 | 1, and 1 row gives 1 | 0, an empty replica seeing
 shape ``(0, ...)``).  The threads meet at every collective
 (:class:`ThreadedReplicaContext`): ``all_reduce``, ``all_gather``, the
-optimizer's gradient sum and the final combination of assigned variables.  A
-collective adds up the replicas' values with one small compiled program over the
+optimizer's gradient sum and the final combination of assigned variables.  Made
+eagerly, a collective adds up the replicas' values with one small compiled program over the
 strategy's mesh, so it spans workers too (every worker's threads make the same
 calls in the same order).
 
@@ -233,12 +234,13 @@ class ThreadedReplicaContext(ReplicaContext):
 
     def _under_transformation(self) -> TypeError:
         return TypeError(
-                    "A collective (all_reduce, all_gather, or an optimizer's gradient sum) was called "
-                    "under a JAX transformation (jax.jit, vmap, lax.scan, lax.cond) inside an uneven step. "
-                    "In an uneven step (a batch that does not divide between the replicas) every replica "
-                    "runs eagerly on its own rows, and collectives need concrete values: call them outside "
-                    "the transformation, or drop the uneven batch (batch(..., drop_remainder=True))."
-                )
+            "A collective (all_reduce, all_gather, or an optimizer's gradient sum) was called "
+            "under a JAX transformation (jax.jit, vmap, lax.scan, lax.cond) inside an uneven step. "
+            "In an uneven step (a batch that does not divide between the replicas) every replica "
+            "runs on its own rows; there a collective needs concrete values (or, on one worker, a "
+            "jax.jit around it): call it outside the transformation, or drop the uneven batch "
+            "(batch(..., drop_remainder=True))."
+        )
 
     def _meet(self, value: Any, combine: Callable[[list], list], what: str) -> Any:
         if any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree_util.tree_leaves(value)):
