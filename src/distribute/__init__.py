@@ -43,6 +43,7 @@ _EXPORTS = {
     "ParameterServerStrategy": "distribute.parameter_server.strategy",
     "DatasetCreator": "distribute.parameter_server.dataset",
     "ShardedVariable": "distribute.parameter_server.values",
+    "Server": "distribute.parameter_server.nodes",
     "MultiWorkerMirroredStrategy": "distribute.multi_worker",
     "TPUStrategy": "distribute.tpu",
     "OneDeviceStrategy": "distribute.mirrored",

@@ -17,8 +17,8 @@ def variables_of(name: str, obj: Any) -> list:
     """
     import keras
 
-    if isinstance(obj, keras.Variable):
-        return [obj]
+    if isinstance(obj, keras.Variable) or getattr(obj, "_distribute_logical_variable", False):
+        return [obj]  # a ShardedVariable built from shards is stored as its full value
     variables = getattr(obj, "variables", None)
     if variables is None:
         raise ValueError(

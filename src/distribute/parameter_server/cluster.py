@@ -4,6 +4,8 @@
   the strategy starts itself (``ray.init(address="local")``) and shuts down at
   exit; an already initialized Ray is reused (and left running).
 * ``address=`` (or ``RAY_ADDRESS``): joins that Ray cluster.
+* a TF_CONFIG (resolver) whose task is the ``chief``: the Ray head at the chief's
+  ``host:port`` (``nodes.py``), joined by one Ray node per ps and worker task.
 
 Actors are Ray named actors ``ps-<j>`` (class ``ParameterServer``) and
 ``worker-<i>`` (class ``Worker``) in a namespace of their own per strategy, so
@@ -51,6 +53,44 @@ def connect(address: str | None) -> None:
             atexit.register(_shutdown_ray)
         else:
             ray.init(address=address, log_to_driver=False, configure_logging=False)
+
+
+def tf_config_resolver() -> Any:
+    """A ``TFConfigClusterResolver`` when TF_CONFIG names a cluster with ``ps`` tasks, else None (embedded)."""
+    from distribute.cluster import TFConfigClusterResolver, _env
+
+    if not _env.tf_config_text():
+        return None
+    resolver = TFConfigClusterResolver()
+    return resolver if resolver.cluster_spec().as_dict().get("ps") else None
+
+
+def connect_for(resolver: Any, address: str | None, num_workers: int, num_ps: int) -> None:
+    """Connects Ray for a strategy: ``address``/``RAY_ADDRESS``, a TF_CONFIG chief's head, or embedded.
+
+    A resolver whose task is the ``chief`` (of a spec with a ``chief`` job) uses
+    the chief's ``host:port`` as the Ray head (started there unless one listens),
+    then waits for every ps and worker task's node (``nodes.Server``), so each
+    actor is pinned to its task.
+    """
+    from distribute.cluster import _env
+    from distribute.parameter_server import nodes
+
+    if address is None:
+        address = _env.read("RAY_ADDRESS")
+    chief = _chief_address(resolver) if address is None else None
+    if chief is None:
+        connect(address)
+        return
+    connect(nodes.start_or_join_head(chief))
+    nodes.wait_for_tasks(num_workers, num_ps)
+
+
+def _chief_address(resolver: Any) -> str | None:
+    if resolver is None or getattr(resolver, "task_type", None) != "chief":
+        return None
+    chiefs = resolver.cluster_spec().as_dict().get("chief") or []
+    return chiefs[0] if chiefs else None
 
 
 def _shutdown_ray() -> None:

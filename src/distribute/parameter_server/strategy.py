@@ -85,6 +85,10 @@ class ParameterServerStrategyExtended(StrategyExtended):
         entry = self._registry.register(var, colocate_with)
         if len(entry.shards) == 1:
             var.device = ps_device(entry.shards[0].ps)
+        else:
+            from distribute.parameter_server.values import make_sharded
+
+            make_sharded(var, [(s.start, s.stop) for s in entry.shards], [ps_device(s.ps) for s in entry.shards])
         var._distribute_on_assign = self._on_assign
 
     def _on_assign(self, var: Any) -> None:
@@ -162,10 +166,15 @@ class ParameterServerStrategy(Strategy):
     :class:`~distribute.coordinator.ClusterCoordinator` run on workers, each
     ps applying updates as they arrive.
 
-    Cluster, in order: ``cluster_resolver`` (or TF_CONFIG through a resolver) gives
-    the number of ps and worker tasks; ``address=`` (or ``RAY_ADDRESS``) joins a
-    running Ray cluster; otherwise an embedded local Ray instance is started (2
-    workers and 1 ps by default) and shut down at exit.
+    Cluster, in order: ``cluster_resolver`` gives the number of ps and worker
+    tasks; without a resolver and counts, a TF_CONFIG with ``ps`` tasks is read
+    (``TFConfigClusterResolver()``).  Ray: ``address=`` (or ``RAY_ADDRESS``) joins
+    a running Ray cluster; a resolver whose task is the ``chief`` starts (or joins)
+    the Ray head at the chief's ``host:port`` and waits for every ps and worker
+    task to join it (each runs ``distribute.Server(...).join()``; see
+    ``nodes.py`` and ``python -m distribute.launch --num-ps``); otherwise an
+    embedded local Ray instance is started (2 workers and 1 ps by default) and
+    shut down at exit.
 
     Args:
         cluster_resolver: a cluster resolver whose spec has ``ps`` and ``worker``
@@ -195,16 +204,14 @@ class ParameterServerStrategy(Strategy):
         from distribute.keras_support import ps_hooks
         from distribute.parameter_server import cluster as ray_cluster
 
+        if cluster_resolver is None and num_workers is None and num_ps is None:
+            cluster_resolver = ray_cluster.tf_config_resolver()
         num_workers, num_ps = _task_counts(cluster_resolver, num_workers, num_ps)
         super().__init__([jax.local_devices()[0]])
         self._cluster_resolver = cluster_resolver
         self._cluster_coordinator = None
         ps_hooks.install()
-        if address is None:
-            from distribute.cluster import _env
-
-            address = _env.read("RAY_ADDRESS")
-        ray_cluster.connect(address)
+        ray_cluster.connect_for(cluster_resolver, address, num_workers, num_ps)
         self._extended._registry = VariableRegistry(num_ps, variable_partitioner)
         self._extended._cluster = ray_cluster.Cluster(num_workers, num_ps)
         self._extended._num_workers, self._extended._num_ps = num_workers, num_ps

@@ -107,21 +107,210 @@ class PerWorkerValues:
 
 
 class ShardedVariable:
-    """TF's ``ShardedVariable`` (a list of shard variables acting as one): not built here.
+    """A variable stored as row shards (TF: ``tf.distribute.experimental``'s ``ShardedVariable``).
 
-    Under ``ParameterServerStrategy(variable_partitioner=...)`` a Keras variable
-    stays one Keras variable on the coordinator and in scheduled functions; only
-    its storage is split into TF's "div" row shards over the ps (round-robin per
-    shard, slots split alike).  Checkpoints hold the whole value, so they restore
-    into any shard count.
+    Two kinds, both ``isinstance(v, distribute.ShardedVariable)``:
+
+    * **made by the strategy**: a Keras variable created in the scope of
+      ``ParameterServerStrategy(variable_partitioner=...)`` whose partitioner
+      returns more than one shard on axis 0.  It stays a Keras variable (layers,
+      optimizers and ``model.fit`` use it as before; reads and ``assign`` /
+      ``assign_add`` / ``assign_sub`` work on the full value, as Keras' do) and
+      gains ``.variables``: one :class:`ShardView` per shard, TF's ``"div"`` rows,
+      each with the ``device`` of the ps task holding it
+      (``/job:ps/replica:0/task:<j>/device:CPU:0``) and ``name`` ``"<name>/part_<i>"``.
+    * **built from shards**: ``ShardedVariable([v0, v1, ...], name=...)`` over
+      Keras variables of equal dtype and equal shapes except axis 0 (TF's
+      constructor and validation).  Reads concatenate the shards on axis 0;
+      ``assign*`` split the full value into them and return ``self`` (TF).
+
+    A ``distribute.Checkpoint`` stores the full logical value, so it restores into
+    another number of shards, or into an unpartitioned variable (TF's
+    ``SaveSliceInfo`` behaviour).  Iterating yields the shards (TF).
+
+    Differences from TF: a Keras layer lists the variable once in ``.weights``
+    (TF lists each shard); workers read the whole value in a scheduled function
+    (no per-shard gather); there is no ``scatter_*``/``sparse_read``.
 
     Raises:
-        NotImplementedError: always, naming that alternative.
+        TypeError: ``variables`` is not a non-empty list of Keras variables.
+        ValueError: dtypes differ, or shapes differ beyond axis 0 (TF's messages).
     """
 
-    def __init__(self, variables: Any = None, name: str = "ShardedVariable"):
-        raise NotImplementedError(
-            "ShardedVariable objects are not supported yet. Create the variable inside the scope of "
-            "ParameterServerStrategy(variable_partitioner=...): it stays one Keras variable whose rows are "
-            "stored as shards on the parameter servers (assign/assign_add work on it as a whole)."
-        )
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        return object.__new__(_ShardList if cls is ShardedVariable else cls)
+
+
+class ShardView:
+    """One shard of a strategy-made :class:`ShardedVariable`: rows ``[start, stop)`` of axis 0.
+
+    ``numpy()`` / ``value`` read those rows of the full value; ``assign*`` of a
+    ``(stop - start, ...)`` value update them (the full variable's assignment,
+    pushed to the ps).
+    """
+
+    def __init__(self, full: Any, index: int, start: int, stop: int, device: str):
+        self._full, self.start, self.stop, self.device = full, start, stop, device
+        self.name = f"{full.name}/part_{index}"
+
+    @property
+    def shape(self) -> tuple:
+        return (self.stop - self.start, *tuple(self._full.shape)[1:])
+
+    @property
+    def dtype(self) -> str:
+        return self._full.dtype
+
+    @property
+    def value(self) -> Any:
+        return self._full.value[self.start : self.stop]
+
+    def numpy(self) -> np.ndarray:
+        return np.asarray(self.value)
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        return np.asarray(self.numpy(), dtype=dtype)
+
+    def assign(self, value: Any) -> ShardView:
+        rows = np.asarray(value, dtype=np.dtype(self.dtype))
+        if rows.shape != self.shape:
+            raise ValueError(f"{self.name}: assign of shape {rows.shape}; this shard has shape {self.shape}.")
+        full = np.array(self._full.numpy(), copy=True)
+        full[self.start : self.stop] = rows
+        self._full.assign(full)
+        return self
+
+    def assign_add(self, delta: Any) -> ShardView:
+        return self.assign(self.numpy() + np.asarray(delta, dtype=np.dtype(self.dtype)))
+
+    def assign_sub(self, delta: Any) -> ShardView:
+        return self.assign(self.numpy() - np.asarray(delta, dtype=np.dtype(self.dtype)))
+
+    def __repr__(self) -> str:
+        return f"<ShardView {self.name!r} shape={self.shape} device={self.device!r}>"
+
+
+class _PartitionedKerasVariable(ShardedVariable):
+    """Mixed into a strategy-made partitioned Keras variable's class (before the Keras class)."""
+
+    @property
+    def variables(self) -> list:
+        """The shards, in row order (TF: the shard variables)."""
+        return list(self.__dict__["_distribute_shards"])
+
+    def __iter__(self) -> Any:
+        return iter(self.variables)
+
+
+_CLASSES: dict[type, type] = {}
+
+
+def make_sharded(var: Any, bounds: list[tuple[int, int]], devices: list[str]) -> None:
+    """Turns a Keras variable into a strategy-made :class:`ShardedVariable` (its class gains the mixin)."""
+    base = type(var)
+    cls = _CLASSES.get(base)
+    if cls is None:
+        cls = _CLASSES[base] = type("ShardedVariable", (_PartitionedKerasVariable, base), {"__module__": __name__})
+    var.__dict__["_distribute_shards"] = tuple(
+        ShardView(var, i, a, b, d) for i, ((a, b), d) in enumerate(zip(bounds, devices))
+    )
+    var.__class__ = cls
+
+
+class _ShardList(ShardedVariable):
+    """A ShardedVariable built from shard variables (``ShardedVariable([v0, v1])``)."""
+
+    _distribute_logical_variable = True  # a Checkpoint stores it as one variable
+
+    def __init__(self, variables: Any, name: str = "ShardedVariable"):
+        import keras
+
+        if not isinstance(variables, (list, tuple)) or not variables or not all(
+            isinstance(v, keras.Variable) for v in variables
+        ):
+            raise TypeError(
+                "Argument `variables` should be a non-empty list of `variables.Variable`s. Received "
+                f"{variables!r}; pass Keras variables, e.g. ShardedVariable([keras.Variable([0]), keras.Variable([1])])."
+            )
+        dtypes = {v.dtype for v in variables}
+        if len(dtypes) > 1:
+            raise ValueError(
+                f"All elements in argument `variables` must have the same dtype. Received dtypes: {[v.dtype for v in variables]}"
+            )
+        rest = {tuple(v.shape)[1:] for v in variables}
+        if len(rest) > 1 or any(len(v.shape) == 0 for v in variables):
+            raise ValueError(
+                "All elements in argument `variables` must have the same shapes except for the first axis. "
+                f"Received shapes: {[tuple(v.shape) for v in variables]}"
+            )
+        self._variables, self.name = list(variables), name
+
+    @property
+    def variables(self) -> list:
+        return list(self._variables)
+
+    @property
+    def path(self) -> str:
+        return self.name
+
+    @property
+    def dtype(self) -> str:
+        return self._variables[0].dtype
+
+    @property
+    def shape(self) -> tuple:
+        return (sum(int(v.shape[0]) for v in self._variables), *tuple(self._variables[0].shape)[1:])
+
+    @property
+    def value(self) -> Any:
+        import jax.numpy as jnp
+
+        return jnp.concatenate([jnp.asarray(v.value) for v in self._variables], axis=0)
+
+    def numpy(self) -> np.ndarray:
+        return np.asarray(self.value)
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        return np.asarray(self.numpy(), dtype=dtype)
+
+    def __jax_array__(self) -> Any:
+        return self.value
+
+    def __iter__(self) -> Any:
+        return iter(self.variables)
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __getitem__(self, index: Any) -> Any:
+        return self.value[index]
+
+    def _split(self, value: Any) -> list:
+        import jax.numpy as jnp
+
+        value = jnp.asarray(value, dtype=self.dtype)
+        if tuple(value.shape) != self.shape:
+            raise ValueError(f"ShardedVariable {self.name!r}: a value of shape {tuple(value.shape)}; it has shape {self.shape}.")
+        out, start = [], 0
+        for v in self._variables:
+            out.append(value[start : start + int(v.shape[0])])
+            start += int(v.shape[0])
+        return out
+
+    def assign(self, value: Any) -> _ShardList:
+        for v, part in zip(self._variables, self._split(value)):
+            v.assign(part)
+        return self
+
+    def assign_add(self, delta: Any) -> _ShardList:
+        for v, part in zip(self._variables, self._split(delta)):
+            v.assign_add(part)
+        return self
+
+    def assign_sub(self, delta: Any) -> _ShardList:
+        for v, part in zip(self._variables, self._split(delta)):
+            v.assign_sub(part)
+        return self
+
+    def __repr__(self) -> str:
+        return f"<ShardedVariable {self.name!r} shape={self.shape} dtype={self.dtype} shards={len(self._variables)}>"
