@@ -33,8 +33,10 @@ Ray processes behind.
 from __future__ import annotations
 
 import atexit
+import collections
 import contextlib
 import json
+import logging
 import os
 import signal
 import socket
@@ -47,6 +49,8 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 from distribute.cluster import _env
+
+logger = logging.getLogger("distribute")
 
 __all__ = ["Server", "node_resource", "start_or_join_head", "wait_for_tasks"]
 
@@ -157,15 +161,20 @@ class _RayStart:
         self.proc = subprocess.Popen([*_ray_cli(), *args], env=dict(env), stdin=subprocess.DEVNULL,
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, preexec_fn=preexec)
         self.started = threading.Event()
+        self.last_lines: collections.deque[str] = collections.deque(maxlen=20)  # for error messages
         threading.Thread(target=self._pump, daemon=True).start()
 
     def _pump(self) -> None:
         for raw in iter(self.proc.stdout.readline, b""):
-            line = raw.decode("utf-8", "replace")
+            line = raw.decode("utf-8", "replace").rstrip("\n")
             if _STARTED_LINE in line:
                 self.started.set()
-            sys.stdout.write(line)
-            sys.stdout.flush()
+            self.last_lines.append(line)
+            logger.info("%s", line)
+
+    def output_tail(self) -> str:
+        """Ray's last output lines, for an error message."""
+        return "\n".join(self.last_lines)
 
     def wait_started(self, timeout_seconds: float) -> bool:
         """True once Ray runs; False if the child exited or ``timeout_seconds`` passed first."""
@@ -236,8 +245,8 @@ def start_or_join_head(chief_address: str, timeout_seconds: float = 120.0) -> st
             _stop(head.proc)
             raise RuntimeError(
                 f"ParameterServerStrategy: the Ray head for the chief at {chief_address} did not start within "
-                f"{timeout_seconds} s (exit status {head.proc.returncode}); see its output above (is port {port} "
-                f"taken?), or start it yourself with `ray start --head --port={port}`."
+                f"{timeout_seconds} s (exit status {head.proc.returncode}; is port {port} taken?), or start it "
+                f"yourself with `ray start --head --port={port}`. Ray's last output:\n{head.output_tail()}"
             )
     return chief_address
 
@@ -368,17 +377,18 @@ class Server:
         args = ["start", "--block", f"--address={self.head_address}", f"--node-ip-address={host}", "--num-cpus=0",
                 "--disable-usage-stats", f"--resources={json.dumps({resource: 1})}"]
         with _one_start_at_a_time(port):
+            node = None
             for attempt in range(1 + _START_RETRIES):
                 node = _RayStart(args, env)
                 if node.wait_started(_START_SECONDS):
                     self._node = node.proc
                     return
                 _stop(node.proc)
-                print(f"distribute.Server ({self.job_name} {self.task_index}): its Ray node did not start (status "
-                      f"{node.proc.returncode}); {'retrying' if attempt < _START_RETRIES else 'giving up'}", flush=True)
+                logger.warning("distribute.Server (%s %s): its Ray node did not start (status %s); %s", self.job_name,
+                               self.task_index, node.proc.returncode, "retrying" if attempt < _START_RETRIES else "giving up")
         raise RuntimeError(
             f"distribute.Server ({self.job_name} {self.task_index}): its Ray node did not start after "
-            f"{1 + _START_RETRIES} attempts; see Ray's output above."
+            f"{1 + _START_RETRIES} attempts. Ray's last output:\n{node.output_tail() if node else ''}"
         )
 
     def join(self) -> None:
@@ -396,7 +406,7 @@ class Server:
                 if self._node.poll() is not None:
                     raise RuntimeError(
                         f"distribute.Server ({self.job_name} {self.task_index}): its Ray node exited with status "
-                        f"{self._node.returncode}; see its output above."
+                        f"{self._node.returncode}; its output is in the 'distribute' log (INFO)."
                     )
                 refused = 0 if _listening(host, port) else refused + 1
                 if refused >= _HEAD_GONE_POLLS:
@@ -416,12 +426,13 @@ def main() -> int:
     """``python -m distribute.parameter_server.nodes``: this TF_CONFIG task's Server, until the chief ends."""
     from distribute.cluster import TFConfigClusterResolver
 
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
     resolver = TFConfigClusterResolver()
     server = Server(resolver.cluster_spec(), job_name=resolver.task_type, task_index=resolver.task_id,
                     protocol=resolver.rpc_layer or "grpc")
-    print(f"distribute.Server: {resolver.task_type} {resolver.task_id} joined the Ray head at {server.target}", flush=True)
+    logger.info("distribute.Server: %s %s joined the Ray head at %s", resolver.task_type, resolver.task_id, server.target)
     server.join()
-    print(f"distribute.Server: {resolver.task_type} {resolver.task_id}: the chief's Ray head is gone; exiting", flush=True)
+    logger.info("distribute.Server: %s %s: the chief's Ray head is gone; exiting", resolver.task_type, resolver.task_id)
     return 0
 
 
