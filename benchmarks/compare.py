@@ -35,12 +35,13 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "_worker.py"
-ALL_SYSTEMS = ("dist_loop", "dist_loop_lazy", "dist_fit", "jax", "keras_dp", "tf")
+ALL_SYSTEMS = ("dist_loop", "dist_loop_lazy", "dist_fit_base", "dist_fit", "jax", "keras_dp", "tf")
 DEFAULT_SYSTEMS = ("dist_loop", "dist_fit", "jax", "keras_dp", "tf")
-FIT_SYSTEMS = ("dist_fit", "keras_dp")  # get --steps-per-execution rows
+FIT_SYSTEMS = ("dist_fit", "dist_fit_base", "keras_dp")  # get --steps-per-execution rows
 LABELS = {
     "dist_loop": "(a) distribute custom loop",
     "dist_loop_lazy": "(a') distribute custom loop, reduce per epoch",
+    "dist_fit_base": "(b0) distribute model.fit, --baseline-src",
     "dist_fit": "(b) distribute model.fit",
     "jax": "(c) hand-written JAX",
     "keras_dp": "(d) Keras DataParallel fit",
@@ -70,6 +71,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="idealized: no metrics, no shuffle, partial batch dropped; user: metrics=['accuracy'], "
                         "shuffle=True, partial last batch kept, hand JAX doing the same work (default: idealized)")
     p.add_argument("--verbose", type=int, default=0, help="Keras verbose for the fit systems' timed fit (default: 0)")
+    p.add_argument("--baseline-src", default=None,
+                   help="a src/ directory of another commit: adds system dist_fit_base (its fit), interleaved with the "
+                        "others, for before/after ratios in one run")
     p.add_argument("--python", default=sys.executable, help="interpreter for the JAX systems (default: this one)")
     args = p.parse_args(argv)
     args.workloads = _split(args.workloads, str)
@@ -84,6 +88,10 @@ def parse_args(argv=None) -> argparse.Namespace:
             p.error(f"unknown system {s!r}; choose from {', '.join(ALL_SYSTEMS)}")
     if args.repeats < 1 or args.steps_per_execution < 1 or any(r < 1 for r in args.replicas):
         p.error("--repeats, --steps-per-execution and replica counts must be >= 1")
+    if args.baseline_src and "dist_fit_base" not in args.systems:
+        args.systems.insert(0, "dist_fit_base")
+    if "dist_fit_base" in args.systems and not args.baseline_src:
+        p.error("system dist_fit_base needs --baseline-src DIR")
     if args.platform == "gpu" and "tf" in args.systems:
         args.systems.remove("tf")
     if args.config == "user":
@@ -114,7 +122,8 @@ def variants(args) -> list[tuple[str, int | None]]:
 
 def run_one(args, system: str, k: int | None, workload: str, replicas: int) -> dict:
     python = args.tf_python if system == "tf" else args.python
-    cmd = [python, str(WORKER), system, workload, str(replicas), "--platform", args.platform, "--config", args.config]
+    worker_system = "dist_fit" if system == "dist_fit_base" else system
+    cmd = [python, str(WORKER), worker_system, workload, str(replicas), "--platform", args.platform, "--config", args.config]
     if args.verbose and system not in ("jax", "dist_loop", "dist_loop_lazy"):
         cmd += ["--verbose", str(args.verbose)]
     if k is not None:
@@ -125,6 +134,8 @@ def run_one(args, system: str, k: int | None, workload: str, replicas: int) -> d
         cmd += ["--samples", str(args.samples)]
     env = dict(os.environ)
     env.pop("XLA_FLAGS", None)  # the worker sets the device count itself
+    if system == "dist_fit_base":
+        env["PYTHONPATH"] = os.pathsep.join([str(Path(args.baseline_src).resolve()), *[p for p in [env.get("PYTHONPATH")] if p]])
     start = time.perf_counter()
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=env)
