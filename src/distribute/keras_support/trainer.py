@@ -92,7 +92,8 @@ def _batch_end(original, kind):
     """
 
     def method(self, batch, logs=None):
-        if model_strategy(getattr(self, "model", None)) is not None and not _listens(self.callbacks, kind):
+        # Callback.model (a property) would sync the loop's state into the model's variables.
+        if model_strategy(self.__dict__.get("_model")) is not None and not _listens(self.callbacks, kind):
             return None
         return original(self, batch, logs)
 
