@@ -35,10 +35,11 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "_worker.py"
-ALL_SYSTEMS = ("dist_loop", "dist_loop_lazy", "dist_fit_base", "dist_fit", "jax", "keras_dp", "tf")
+ALL_SYSTEMS = ("dist_loop_base", "dist_loop", "dist_loop_lazy", "dist_fit_base", "dist_fit", "jax", "keras_dp", "tf")
 DEFAULT_SYSTEMS = ("dist_loop", "dist_fit", "jax", "keras_dp", "tf")
 FIT_SYSTEMS = ("dist_fit", "dist_fit_base", "keras_dp")  # get --steps-per-execution rows
 LABELS = {
+    "dist_loop_base": "(a0) distribute custom loop, --baseline-src",
     "dist_loop": "(a) distribute custom loop",
     "dist_loop_lazy": "(a') distribute custom loop, reduce per epoch",
     "dist_fit_base": "(b0) distribute model.fit, --baseline-src",
@@ -72,8 +73,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "shuffle=True, partial last batch kept, hand JAX doing the same work (default: idealized)")
     p.add_argument("--verbose", type=int, default=0, help="Keras verbose for the fit systems' timed fit (default: 0)")
     p.add_argument("--baseline-src", default=None,
-                   help="a src/ directory of another commit: adds system dist_fit_base (its fit), interleaved with the "
-                        "others, for before/after ratios in one run")
+                   help="a src/ directory of another commit: adds systems dist_fit_base / dist_loop_base (its fit and "
+                        "custom loop, beside dist_fit / dist_loop), interleaved with the others, for before/after ratios")
     p.add_argument("--python", default=sys.executable, help="interpreter for the JAX systems (default: this one)")
     args = p.parse_args(argv)
     args.workloads = _split(args.workloads, str)
@@ -88,15 +89,17 @@ def parse_args(argv=None) -> argparse.Namespace:
             p.error(f"unknown system {s!r}; choose from {', '.join(ALL_SYSTEMS)}")
     if args.repeats < 1 or args.steps_per_execution < 1 or any(r < 1 for r in args.replicas):
         p.error("--repeats, --steps-per-execution and replica counts must be >= 1")
-    if args.baseline_src and "dist_fit_base" not in args.systems:
-        args.systems.insert(0, "dist_fit_base")
-    if "dist_fit_base" in args.systems and not args.baseline_src:
-        p.error("system dist_fit_base needs --baseline-src DIR")
+    if args.baseline_src:
+        for system in ("dist_fit", "dist_loop"):
+            if system in args.systems and f"{system}_base" not in args.systems:
+                args.systems.insert(0, f"{system}_base")
+    if any(s.endswith("_base") for s in args.systems) and not args.baseline_src:
+        p.error("systems dist_fit_base / dist_loop_base need --baseline-src DIR")
     if args.platform == "gpu" and "tf" in args.systems:
         args.systems.remove("tf")
     if args.config == "user":
         # The custom loop is measured idealized only (its own user-side work is the user's code).
-        args.systems = [s for s in args.systems if s not in ("dist_loop", "dist_loop_lazy")]
+        args.systems = [s for s in args.systems if s not in ("dist_loop", "dist_loop_lazy", "dist_loop_base")]
     return args
 
 
@@ -122,7 +125,7 @@ def variants(args) -> list[tuple[str, int | None]]:
 
 def run_one(args, system: str, k: int | None, workload: str, replicas: int) -> dict:
     python = args.tf_python if system == "tf" else args.python
-    worker_system = "dist_fit" if system == "dist_fit_base" else system
+    worker_system = system.removesuffix("_base")
     cmd = [python, str(WORKER), worker_system, workload, str(replicas), "--platform", args.platform, "--config", args.config]
     if args.verbose and system not in ("jax", "dist_loop", "dist_loop_lazy"):
         cmd += ["--verbose", str(args.verbose)]
@@ -134,7 +137,7 @@ def run_one(args, system: str, k: int | None, workload: str, replicas: int) -> d
         cmd += ["--samples", str(args.samples)]
     env = dict(os.environ)
     env.pop("XLA_FLAGS", None)  # the worker sets the device count itself
-    if system == "dist_fit_base":
+    if system.endswith("_base"):
         env["PYTHONPATH"] = os.pathsep.join([str(Path(args.baseline_src).resolve()), *[p for p in [env.get("PYTHONPATH")] if p]])
     start = time.perf_counter()
     try:

@@ -17,6 +17,12 @@ the per-step functions are replaced by SPMD programs over the strategy's mesh:
 
 Beyond TF: TF's Keras averages each replica's mean loss, so an uneven last
 batch gives a slightly different answer there; here it is exact.
+
+Per-step cost of Keras' loop, for these models only: a batch-end callback call
+that no callback listens to is skipped (Keras would read every step's logs to
+the host for it), the loop's state is stored on the model untracked, and the
+last, partial batch of ``fit`` on arrays is compiled ahead, in a thread, when it
+splits evenly between the replicas.
 """
 
 from __future__ import annotations
