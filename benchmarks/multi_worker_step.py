@@ -133,6 +133,10 @@ def main(argv=None) -> int:
     if args.role:
         _role(args.role, args.role_out, args.samples, args.epochs)
         return 0
+    sys.path.insert(0, str(HERE))
+    from compare import environment, git_state
+
+    env = environment(argparse.Namespace(platform="cpu", tf_python=None))  # date and load at the start
     kinds = [("single", SRC), ("2x1", SRC)] + ([("2x1 baseline", Path(args.baseline_src).resolve())] if args.baseline_src else [])
     runs: list = []
     started = time.perf_counter()
@@ -143,10 +147,6 @@ def main(argv=None) -> int:
             runs.append({"kind": kind, "repeat": repeat, **record})
             shown = f"{record['examples_per_second']:,.0f} ex/s, input {record['input_ms_per_step']:.3f} ms/step" if record["ok"] else "FAILED " + record["error"][-200:]
             print(f"[{repeat + 1}/{args.repeats}] {kind}: {shown}", flush=True)
-    sys.path.insert(0, str(HERE))
-    from compare import environment, git_state
-
-    env = environment(argparse.Namespace(platform="cpu", tf_python=None))
     rows = []
     for kind, _ in kinds:
         ok = [r for r in runs if r["kind"] == kind and r["ok"]]
