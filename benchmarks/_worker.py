@@ -41,6 +41,7 @@ import time
 PROCESS_START = time.perf_counter()
 
 SYSTEMS = ("dist_loop", "dist_loop_lazy", "dist_fit", "jax", "keras_dp", "tf")
+CONFIGS = ("idealized", "user")
 PER_REPLICA_BATCH = 64
 LEARNING_RATE = 1e-3
 MAX_IN_FLIGHT = 2  # hand-written JAX: steps dispatched ahead of the one last waited for
@@ -64,6 +65,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--samples", type=int, default=None, help="examples in the data set (default: per workload)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--profile", default=None, help="write a cProfile of the timed epochs to this file")
+    parser.add_argument("--config", choices=CONFIGS, default="idealized",
+                        help="idealized: no metrics, no shuffle, partial batch dropped; user: metrics=['accuracy'], "
+                             "shuffle=True, the partial last batch kept (what users run)")
+    parser.add_argument("--verbose", type=int, default=0, help="fit systems: Keras verbose for the timed fit (default 0)")
     return parser.parse_args(argv)
 
 
@@ -103,12 +108,13 @@ def current_rss_mb() -> float:
 
 
 # -- data ---------------------------------------------------------------------------------
-def make_data(workload: str, samples: int | None, global_batch: int, seed: int):
+def make_data(workload: str, samples: int | None, global_batch: int, seed: int, keep_partial: bool = False):
     import numpy as np
 
     n, shape, classes, _ = WORKLOADS[workload]
     n = samples or n
-    n = (n // global_batch) * global_batch  # drop the partial batch: every system sees the same steps
+    if not keep_partial:
+        n = (n // global_batch) * global_batch  # drop the partial batch: every system sees the same steps
     if n == 0:
         raise SystemExit(f"{workload}: fewer samples than one global batch ({global_batch})")
     rng = np.random.default_rng(seed)
@@ -235,11 +241,24 @@ def run_dist_loop(args, x, y, timed_epochs, lazy: bool) -> dict:
     return {"first_step_seconds": first_step, "epoch_seconds": timer.epoch_seconds, "final_loss": losses[-1]}
 
 
+def compile_kwargs(args) -> dict:
+    """What ``model.compile`` gets besides optimizer and loss: the user config adds accuracy."""
+    out = {"steps_per_execution": args.steps_per_execution}
+    if args.config == "user" and WORKLOADS[args.workload][2]:
+        out["metrics"] = ["accuracy"]
+    return out
+
+
 def fit_measure(args, model, x, y, global_batch, timed_epochs, block) -> dict:
-    """First step: a fit over exactly one execution (K batches); then warm-up + timed epochs."""
+    """First step: a fit over exactly one execution (K batches); then warm-up + timed epochs.
+
+    The warm-up epoch is the first full epoch (with the user config: the first
+    one with the partial last batch), reported as ``warmup_epoch_seconds``.
+    """
     import keras
 
     k = max(args.steps_per_execution, 1)
+    shuffle = args.config == "user"
     t0 = time.perf_counter()
     model.fit(x[: k * global_batch], y[: k * global_batch], batch_size=global_batch, epochs=1, shuffle=False, verbose=0)
     block(model)
@@ -258,17 +277,20 @@ def fit_measure(args, model, x, y, global_batch, timed_epochs, block) -> dict:
             losses.append(float(logs["loss"]))
             timer.end()
 
+    def fit(epochs):
+        model.fit(x, y, batch_size=global_batch, epochs=epochs, shuffle=shuffle, verbose=args.verbose,
+                  callbacks=[EpochTimer()])
+
     profile = None
     if args.profile:
-        # Warm-up epoch first, unprofiled.
-        model.fit(x, y, batch_size=global_batch, epochs=1, shuffle=False, verbose=0, callbacks=[EpochTimer()])
+        fit(1)  # warm-up epoch first, unprofiled
         profile = maybe_profile(args)
         profile.enable()
-        model.fit(x, y, batch_size=global_batch, epochs=timed_epochs, shuffle=False, verbose=0, callbacks=[EpochTimer()])
+        fit(timed_epochs)
         profile.disable()
         profile.dump_stats(args.profile)
     else:
-        model.fit(x, y, batch_size=global_batch, epochs=1 + timed_epochs, shuffle=False, verbose=0, callbacks=[EpochTimer()])
+        fit(1 + timed_epochs)
     return {"first_step_seconds": first_step, "epoch_seconds": timer.epoch_seconds, "final_loss": losses[-1]}
 
 
@@ -290,7 +312,7 @@ def run_dist_fit(args, x, y, timed_epochs) -> dict:
     with strategy.scope():
         model = keras_model(args.workload)
         model.compile(optimizer=keras.optimizers.Adam(LEARNING_RATE), loss=keras_loss(args.workload),
-                      steps_per_execution=args.steps_per_execution)
+                      **compile_kwargs(args))
     return fit_measure(args, model, x, y, global_batch, timed_epochs, jax_block)
 
 
@@ -304,7 +326,7 @@ def run_keras_dp(args, x, y, timed_epochs) -> dict:
     global_batch = PER_REPLICA_BATCH * len(devices)
     model = keras_model(args.workload)
     model.compile(optimizer=keras.optimizers.Adam(LEARNING_RATE), loss=keras_loss(args.workload),
-                  steps_per_execution=args.steps_per_execution)
+                  **compile_kwargs(args))
     return fit_measure(args, model, x, y, global_batch, timed_epochs, jax_block)
 
 
@@ -321,7 +343,7 @@ def run_tf(args, x, y, timed_epochs) -> dict:
     with strategy.scope():
         model = keras_model(args.workload)
         model.compile(optimizer=keras.optimizers.Adam(LEARNING_RATE), loss=keras_loss(args.workload),
-                      steps_per_execution=args.steps_per_execution)
+                      **compile_kwargs(args))
 
     def block(m):
         m.trainable_variables[0].numpy()
@@ -390,18 +412,34 @@ def run_jax(args, x, y, timed_epochs) -> dict:
     params = jax.device_put(params, replicated)
     opt_state = jax.device_put(optimizer.init(params), replicated)
 
-    def step(p, s, xb, yb):
-        loss, grads = jax.value_and_grad(loss_fn)(p, xb, yb)
+    user = args.config == "user"
+
+    def step(p, s, acc, xb, yb):
+        if classes:
+            def with_logits(p_):
+                out = forward(p_, xb)
+                return optax.softmax_cross_entropy_with_integer_labels(out, yb).mean(), out
+
+            (loss, out), grads = jax.value_and_grad(with_logits, has_aux=True)(p)
+        else:
+            loss, grads = jax.value_and_grad(loss_fn)(p, xb, yb)
         updates, s = optimizer.update(grads, s, p)
-        return optax.apply_updates(p, updates), s, loss
+        if user:
+            # What fit's loss tracker and accuracy metric do: sums over the epoch, on device, every step.
+            rows = jnp.float32(xb.shape[0])
+            correct = jnp.sum(jnp.argmax(out, axis=-1) == yb).astype(jnp.float32) if classes else jnp.float32(0)
+            acc = acc + jnp.stack([loss * rows, correct, rows])
+        return optax.apply_updates(p, updates), s, acc, loss
 
     step = jax.jit(
         step,
-        in_shardings=(replicated, replicated, batch_sharding, batch_sharding),
-        out_shardings=(replicated, replicated, replicated),
+        in_shardings=(replicated, replicated, replicated, batch_sharding, batch_sharding),
+        out_shardings=(replicated, replicated, replicated, replicated),
         donate_argnums=(0, 1),
     )
-    steps = len(x) // global_batch
+    # The user config keeps the partial last batch (its own compile, as jit does for a new shape).
+    steps = -(-len(x) // global_batch) if user else len(x) // global_batch
+    order_rng = np.random.default_rng(args.seed)
 
     first_step = None
     timer = Timer()
@@ -414,24 +452,35 @@ def run_jax(args, x, y, timed_epochs) -> dict:
                 profile.enable()
         timer.begin()
         loss, in_flight = None, []
+        acc = jax.device_put(np.zeros(3, np.float32), replicated)
+        order = order_rng.permutation(len(x)) if user else None  # fit's shuffle=True: a new order each epoch
         for i in range(steps):
             lo = i * global_batch
-            xb = jax.device_put(x[lo : lo + global_batch], batch_sharding)
-            yb = jax.device_put(y[lo : lo + global_batch], batch_sharding)
+            if user:
+                index = order[lo : lo + global_batch]
+                xh, yh = x[index], y[index]
+            else:
+                xh, yh = x[lo : lo + global_batch], y[lo : lo + global_batch]
+            xb = jax.device_put(xh, batch_sharding)
+            yb = jax.device_put(yh, batch_sharding)
             if first_step is None:
                 t0 = time.perf_counter()
-                params, opt_state, loss = step(params, opt_state, xb, yb)
+                params, opt_state, acc, loss = step(params, opt_state, acc, xb, yb)
                 float(loss)
                 first_step = time.perf_counter() - t0
                 continue
-            params, opt_state, loss = step(params, opt_state, xb, yb)
+            params, opt_state, acc, loss = step(params, opt_state, acc, xb, yb)
             # At most MAX_IN_FLIGHT steps queued: with unbounded async dispatch, XLA:CPU's
             # all-reduce rendezvous between virtual devices deadlocks on this 2-core
             # machine (seen with jax 0.10.2); waiting on step i-2 keeps the pipeline full.
             in_flight.append(loss)
             if len(in_flight) > MAX_IN_FLIGHT:
                 in_flight.pop(0).block_until_ready()
-        losses.append(float(loss))
+        if user:
+            total = np.asarray(acc)  # the epoch's logs: mean loss and accuracy, read once
+            losses.append(float(total[0] / total[2]))
+        else:
+            losses.append(float(loss))
         jax.block_until_ready(params)
         timer.end()
     if profile:
@@ -463,7 +512,10 @@ def main(argv=None) -> int:
         import keras  # noqa: F401
         import tensorflow  # noqa: F401
     timed_epochs = args.epochs or WORKLOADS[args.workload][3]
-    x, y = make_data(args.workload, args.samples, PER_REPLICA_BATCH * args.replicas, args.seed)
+    if args.config == "user" and args.system in ("dist_loop", "dist_loop_lazy"):
+        raise SystemExit("the user config is measured for fit systems and hand-written JAX; the custom loop runs idealized")
+    x, y = make_data(args.workload, args.samples, PER_REPLICA_BATCH * args.replicas, args.seed,
+                     keep_partial=args.config == "user")
     baseline = current_rss_mb()
     device_kind = "cpu"
     if args.system != "tf":
@@ -487,6 +539,8 @@ def main(argv=None) -> int:
     record = {
         "system": args.system,
         "workload": args.workload,
+        "config": args.config,
+        "verbose": args.verbose,
         "replicas": args.replicas,
         "platform": args.platform,
         "device_kind": device_kind,

@@ -35,12 +35,14 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "_worker.py"
-ALL_SYSTEMS = ("dist_loop", "dist_loop_lazy", "dist_fit", "jax", "keras_dp", "tf")
+ALL_SYSTEMS = ("dist_loop_base", "dist_loop", "dist_loop_lazy", "dist_fit_base", "dist_fit", "jax", "keras_dp", "tf")
 DEFAULT_SYSTEMS = ("dist_loop", "dist_fit", "jax", "keras_dp", "tf")
-FIT_SYSTEMS = ("dist_fit", "keras_dp")  # get --steps-per-execution rows
+FIT_SYSTEMS = ("dist_fit", "dist_fit_base", "keras_dp")  # get --steps-per-execution rows
 LABELS = {
+    "dist_loop_base": "(a0) distribute custom loop, --baseline-src",
     "dist_loop": "(a) distribute custom loop",
     "dist_loop_lazy": "(a') distribute custom loop, reduce per epoch",
+    "dist_fit_base": "(b0) distribute model.fit, --baseline-src",
     "dist_fit": "(b) distribute model.fit",
     "jax": "(c) hand-written JAX",
     "keras_dp": "(d) Keras DataParallel fit",
@@ -66,6 +68,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--retries", type=int, default=1, help="re-runs of a failed measurement (default: 1)")
     p.add_argument("--out", default=str(HERE / "results"), help="output directory (default: benchmarks/results/)")
     p.add_argument("--from-json", default=None, help="only re-render results.md (and targets) from this results.json")
+    p.add_argument("--config", choices=("idealized", "user"), default="idealized",
+                   help="idealized: no metrics, no shuffle, partial batch dropped; user: metrics=['accuracy'], "
+                        "shuffle=True, partial last batch kept, hand JAX doing the same work (default: idealized)")
+    p.add_argument("--verbose", type=int, default=0, help="Keras verbose for the fit systems' timed fit (default: 0)")
+    p.add_argument("--baseline-src", default=None,
+                   help="a src/ directory of another commit: adds systems dist_fit_base / dist_loop_base (its fit and "
+                        "custom loop, beside dist_fit / dist_loop), interleaved with the others, for before/after ratios")
     p.add_argument("--python", default=sys.executable, help="interpreter for the JAX systems (default: this one)")
     args = p.parse_args(argv)
     args.workloads = _split(args.workloads, str)
@@ -80,8 +89,17 @@ def parse_args(argv=None) -> argparse.Namespace:
             p.error(f"unknown system {s!r}; choose from {', '.join(ALL_SYSTEMS)}")
     if args.repeats < 1 or args.steps_per_execution < 1 or any(r < 1 for r in args.replicas):
         p.error("--repeats, --steps-per-execution and replica counts must be >= 1")
+    if args.baseline_src:
+        for system in ("dist_fit", "dist_loop"):
+            if system in args.systems and f"{system}_base" not in args.systems:
+                args.systems.insert(0, f"{system}_base")
+    if any(s.endswith("_base") for s in args.systems) and not args.baseline_src:
+        p.error("systems dist_fit_base / dist_loop_base need --baseline-src DIR")
     if args.platform == "gpu" and "tf" in args.systems:
         args.systems.remove("tf")
+    if args.config == "user":
+        # The custom loop is measured idealized only (its own user-side work is the user's code).
+        args.systems = [s for s in args.systems if s not in ("dist_loop", "dist_loop_lazy", "dist_loop_base")]
     return args
 
 
@@ -107,7 +125,10 @@ def variants(args) -> list[tuple[str, int | None]]:
 
 def run_one(args, system: str, k: int | None, workload: str, replicas: int) -> dict:
     python = args.tf_python if system == "tf" else args.python
-    cmd = [python, str(WORKER), system, workload, str(replicas), "--platform", args.platform]
+    worker_system = system.removesuffix("_base")
+    cmd = [python, str(WORKER), worker_system, workload, str(replicas), "--platform", args.platform, "--config", args.config]
+    if args.verbose and system not in ("jax", "dist_loop", "dist_loop_lazy"):
+        cmd += ["--verbose", str(args.verbose)]
     if k is not None:
         cmd += ["--steps-per-execution", str(k)]
     if args.epochs:
@@ -116,6 +137,8 @@ def run_one(args, system: str, k: int | None, workload: str, replicas: int) -> d
         cmd += ["--samples", str(args.samples)]
     env = dict(os.environ)
     env.pop("XLA_FLAGS", None)  # the worker sets the device count itself
+    if system.endswith("_base"):
+        env["PYTHONPATH"] = os.pathsep.join([str(Path(args.baseline_src).resolve()), *[p for p in [env.get("PYTHONPATH")] if p]])
     start = time.perf_counter()
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=env)
@@ -144,7 +167,7 @@ def summarize(runs: list[dict]) -> list[dict]:
         ok = row.pop("ok")
         row["failures"] = [f["error"] for f in row.pop("failed")]
         row["runs_ok"] = len(ok)
-        for field in ("examples_per_second", "first_step_seconds", "peak_rss_mb", "baseline_rss_mb", "timed_seconds"):
+        for field in ("examples_per_second", "first_step_seconds", "warmup_epoch_seconds", "peak_rss_mb", "baseline_rss_mb", "timed_seconds"):
             values = [r[field] for r in ok if r.get(field) is not None]
             row[field] = {
                 "median": statistics.median(values) if values else None,
@@ -176,9 +199,11 @@ def _ratio(row, base, field):
     return row[field]["median"] / base[field]["median"]
 
 
-def check_targets(rows: list[dict]) -> list[dict]:
+def check_targets(rows: list[dict], config: str = "idealized") -> list[dict]:
     """The project's targets, each with its measured value (None: not measured in this run)."""
     out = []
+    if config == "user":
+        return _user_targets(rows)
 
     def add(name, value, threshold, where, *rows_used):
         runs = min(r["runs_ok"] for r in rows_used)
@@ -210,6 +235,33 @@ def check_targets(rows: list[dict]) -> list[dict]:
                         "where": f"{r['workload']}, {r['replicas']} replicas{k}", "value": value,
                         "runs": min(r["runs_ok"], _find(rows, r["workload"], r["replicas"], "jax", None)["runs_ok"]),
                         "threshold": 1.25, "holds": value <= 1.25})
+    return out
+
+
+def _user_targets(rows: list[dict]) -> list[dict]:
+    """Issue 11: fit as users run it (metrics, shuffle, partial last batch) at 2 and 8 replicas."""
+    out = []
+    for w in sorted({r["workload"] for r in rows}):
+        for n in sorted({r["replicas"] for r in rows if r["workload"] == w}):
+            fit = _find(rows, w, n, "dist_fit", 1)
+            if fit is None:
+                continue
+            for ref, k, threshold, name in (("jax", None, 0.8, "hand-written JAX (same work)"),
+                                            ("tf", 1, 5.0, "TF MirroredStrategy"),
+                                            ("keras_dp", 1, 1.1, "Keras DataParallel")):
+                base = _find(rows, w, n, ref, k)
+                if base is None:
+                    continue
+                value = _ratio(fit, base, "examples_per_second")
+                out.append({"target": f"user fit >= {threshold}x {name}", "where": f"{w}, {n} replicas", "value": value,
+                            "threshold": threshold, "runs": min(fit["runs_ok"], base["runs_ok"]),
+                            "holds": None if value is None else value >= threshold})
+            base = _find(rows, w, n, "jax", None)
+            if base is not None and fit["rss_ratio_to_jax"] is not None:
+                value = fit["rss_ratio_to_jax"]
+                out.append({"target": "user fit peak memory <= 1.1x hand-written JAX", "where": f"{w}, {n} replicas",
+                            "value": value, "threshold": 1.1, "runs": min(fit["runs_ok"], base["runs_ok"]),
+                            "holds": value <= 1.1})
     return out
 
 
@@ -278,6 +330,11 @@ def markdown(meta: dict, rows: list[dict], targets: list[dict]) -> str:
         f"- command: `{cfg['command']}`",
         f"- source: git {meta.get('git_at_start')} at start, {meta.get('git_at_end')} at end"
         + ("" if meta.get("git_at_start") == meta.get("git_at_end") else " (**the code changed during the run**)"),
+        f"- workload config: {cfg.get('config', 'idealized')}"
+        + (" (metrics=['accuracy'], shuffle=True, partial last batch kept; hand JAX: per-epoch permutation, "
+           "loss and accuracy summed on device every step, at most 2 steps in flight)" if cfg.get("config") == "user" else
+           " (no metrics, no shuffle, partial batch dropped)")
+        + (f"; fit verbose={cfg['verbose']}" if cfg.get("verbose") else ""),
         f"- repeats per row: {cfg['repeats']}, systems interleaved (order rotated each repeat); "
         f"devices per run = replicas ({'virtual CPU devices' if env['platform'] == 'cpu' else 'GPUs'})",
         f"- total wall time: {meta['wall_seconds']:.0f} s; load average at start: "
@@ -285,11 +342,13 @@ def markdown(meta: dict, rows: list[dict], targets: list[dict]) -> str:
         "",
         "examples/s = examples in the timed epochs / their wall seconds (median of the runs, min-max beside it). "
         "first step = tracing + compilation + the first step, to its result being ready. "
+        "first epoch = the first full epoch after that (fit: the first with the partial last batch, so it includes "
+        "that batch's compile unless it was compiled ahead). "
         "peak RSS = ru_maxrss of the run's process (includes the data set and framework imports). "
         "Ratios are of medians. Absolute numbers drift on a shared machine: only compare within one run.",
         "",
-        "| workload | replicas | system | K | examples/s | min-max | x (c) JAX | x (e) TF | first step s | peak RSS MB | RSS x (c) | ok |",
-        "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| workload | replicas | system | K | examples/s | min-max | x (c) JAX | x (e) TF | first step s | first epoch s | peak RSS MB | RSS x (c) | ok |",
+        "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in rows:
         eps = r["examples_per_second"]
@@ -297,7 +356,8 @@ def markdown(meta: dict, rows: list[dict], targets: list[dict]) -> str:
             f"| {r['workload']} | {r['replicas']} | {LABELS[r['system']]} | {r['steps_per_execution'] or '-'} "
             f"| {_fmt(eps['median'])} | {_fmt(eps['min'])}-{_fmt(eps['max'])} "
             f"| {_fmt(r['ratio_to_jax'], '.2f')} | {_fmt(r['ratio_to_tf'], '.2f')} "
-            f"| {_fmt(r['first_step_seconds']['median'], '.2f')} | {_fmt(r['peak_rss_mb']['median'], '.0f')} "
+            f"| {_fmt(r['first_step_seconds']['median'], '.2f')} "
+            f"| {_fmt((r.get('warmup_epoch_seconds') or {}).get('median'), '.2f')} | {_fmt(r['peak_rss_mb']['median'], '.0f')} "
             f"| {_fmt(r['rss_ratio_to_jax'], '.2f')} | {r['runs_ok']}/{r['runs_ok'] + len(r['failures'])} |"
         )
     skipped = meta.get("skipped")
@@ -327,7 +387,7 @@ def main(argv=None) -> int:
     if args.from_json:
         data = json.loads(Path(args.from_json).read_text())
         rows = data["rows"]
-        targets = check_targets(rows)
+        targets = check_targets(rows, data["config"].get("config", "idealized"))
         text = markdown(data, rows, targets)
         data["targets"] = targets
         Path(args.from_json).write_text(json.dumps(data, indent=1))
@@ -361,7 +421,7 @@ def main(argv=None) -> int:
                 print(f"[{done}/{total}] {w} x{n} {system}{'' if k is None else f' K={k}'} "
                       f"(repeat {repeat + 1}): {eps}  ({result['wall_seconds']:.1f} s)", flush=True)
     rows = summarize(runs)
-    targets = check_targets(rows)
+    targets = check_targets(rows, args.config)
     meta = {
         "config": {"command": " ".join(["python", "benchmarks/compare.py", *(argv if argv is not None else sys.argv[1:])]),
                    **{k: v for k, v in vars(args).items()}},

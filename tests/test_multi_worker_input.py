@@ -89,7 +89,42 @@ def _worker(out_dir: str) -> None:
     model.fit(fit_data, epochs=2, verbose=0)
     out["fit_seed"] = fit_data._seeds[0].base
     out["fit_weights"] = [w.tolist() for w in model.get_weights()]
+    out["agreement"] = _agreement_cases(strategy, me)
     pathlib.Path(out_dir, f"worker{me}.json").write_text(json.dumps(out))
+
+
+def _agreement_cases(strategy, me: int) -> dict:
+    """Coordination-service exchanges per pass, and every replica's rows, for three end-of-data cases."""
+    from distribute.data import Dataset
+
+    exchange = strategy.extended.input_policy._exchange
+    gather = exchange.all_gather
+    calls = []
+
+    def counted(key, payload, what):
+        calls.append(what)
+        return gather(key, payload, what)
+
+    exchange.all_gather = counted
+    cases = {
+        # known, equal cardinality (DATA): one exchange per pass, uneven last batch (10 = 4 + 4 + 2 rows)
+        "known": Dataset.range(10).batch(4),
+        # unknown cardinality: the batch sizes are exchanged at every step (3 steps + the end)
+        "unknown": Dataset.range(12).filter(lambda x: x % 2 == 0).batch(2),
+        # cardinalities differ between workers: every step agreed; the shorter workers give no rows
+        "different": Dataset.range(8 + 4 * me).batch(4),
+    }
+    out = {}
+    try:
+        for name, dataset in cases.items():
+            before = len(calls)
+            steps = []
+            for batch in strategy.experimental_distribute_dataset(dataset):
+                steps.append([np.asarray(part).tolist() for part in strategy.experimental_local_results(batch)])
+            out[name] = {"exchanges": len(calls) - before, "steps": steps}
+    finally:
+        exchange.all_gather = gather
+    return out
 
 
 def _launch(num_workers: int, tmp_path: pathlib.Path) -> list[dict]:
@@ -141,6 +176,30 @@ def test_fit_on_unseeded_shuffle_agrees_between_workers(workers):
     for w in workers[1:]:
         for got, want in zip(w["fit_weights"], workers[0]["fit_weights"]):
             np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
+def test_end_of_data_agreed_once_per_pass_when_cardinality_is_known(workers):
+    n = len(workers)
+    known = [w["agreement"]["known"] for w in workers]
+    assert [k["exchanges"] for k in known] == [1] * n  # not one per step
+    # 3 steps on every worker; every example once: the same rows as agreeing at every step
+    assert [len(k["steps"]) for k in known] == [3] * n
+    assert sorted(i for k in known for step in k["steps"] for part in step for i in part) == list(range(10))
+    unknown = [w["agreement"]["unknown"] for w in workers]
+    assert [u["exchanges"] for u in unknown] == [1 + 3 + 1] * n  # the plan, 3 steps, the end
+    assert sorted(i for u in unknown for step in u["steps"] for part in step for i in part) == list(range(0, 12, 2))
+    different = [w["agreement"]["different"] for w in workers]
+    # Worker w reads range(8 + 4w) in batches of 4 and keeps its replica's share (TF's split rule);
+    # steps run while any worker has rows.
+    from distribute.input.splitting import split_counts
+
+    own = [[int(split_counts(len(b), n)[w]) for b in np.array_split(np.arange(8 + 4 * w), range(4, 8 + 4 * w, 4))] for w in range(n)]
+    longest = max(max((i + 1 for i, rows in enumerate(o) if rows), default=0) for o in own)
+    assert longest > 2  # the longer workers' data outlasts worker 0's 2 batches
+    assert [len(d["steps"]) for d in different] == [longest] * n  # every worker takes the same steps
+    for w, d in enumerate(different):
+        assert [len(step[0]) for step in d["steps"]] == (own[w] + [0] * longest)[:longest]
+    assert [d["exchanges"] for d in different] == [1 + longest + 1] * n
 
 
 if __name__ == "__main__":

@@ -7,11 +7,15 @@ TF_CONFIG port, so it outlives a chief that dies); the strategy's mesh has one a
 ``"replica"``, over all workers' devices, worker 0's first.  Collectives inside
 compiled steps go over gloo on CPU (NCCL on GPU).
 
-Input: each worker feeds only its replicas' share of every global batch.  Before
-each step the workers exchange their batch sizes through the coordination
-service's key-value store (a few bytes, with a timeout): a step runs while any
-worker still has data, workers without data give their replicas no rows (the exact uneven step),
-and all of them stop together, so uneven input never hangs.  A worker that does
+Input: each worker feeds only its replicas' share of every global batch.  Under
+DATA sharding (the default for datasets that read no files) of a dataset whose
+cardinality every worker knows and agrees on at the start of a pass, the pass
+runs that many steps with no further exchange: every worker splits the same
+global batches, so each knows every replica's rows.  Otherwise, before each step
+the workers exchange their batch sizes through the coordination service's
+key-value store (a few bytes, with a timeout): a step runs while any worker
+still has data, workers without data give their replicas no rows (the exact
+uneven step), and all of them stop together, so uneven input never hangs.  A worker that does
 not answer within ``CommunicationOptions.timeout_seconds`` is named in the error;
 a worker that dies (the chief included) is detected by the heartbeats this
 package publishes in the coordination service within the same timeout, and
@@ -159,6 +163,13 @@ class MultiWorkerInputPolicy(InputPolicy):
 
     def dataset_batches(self, dataset: Any, rows_per_replica: int) -> Iterator[tuple[list, Any, np.ndarray | None]]:
         """Global split of each global batch; DATA keeps this worker's slice, OFF walks every worker's slice."""
+        num_local = len(self.replica_mesh.local_devices)
+        for local, treedef, lengths, part in self._split_global(dataset, rows_per_replica):
+            counts = np.full(num_local, local[0].shape[1] if local and local[0].ndim > 1 else 0, np.int64) if lengths is None else lengths[part]
+            yield local, treedef, counts
+
+    def _split_global(self, dataset: Any, rows_per_replica: int) -> Iterator[tuple[list, Any, np.ndarray | None, slice]]:
+        """``(this worker's stacks, treedef, every replica's rows or None, this worker's replicas)`` per batch read."""
         from distribute.data.options import AutoShardPolicy
         from distribute.input.splitting import split_batch
 
@@ -170,9 +181,51 @@ class MultiWorkerInputPolicy(InputPolicy):
             stacked, lengths = split_batch(leaves, len(self.replica_mesh.devices), rows_per_replica)
             for w in workers:
                 part = slice(w * num_local, (w + 1) * num_local)
-                local = [x[part] for x in stacked]
-                counts = np.full(num_local, local[0].shape[1] if local and local[0].ndim > 1 else 0, np.int64) if lengths is None else lengths[part]
-                yield local, treedef, counts
+                yield [x[part] for x in stacked], treedef, lengths, part
+
+    def distributed_batches(self, dataset: Any, rows_per_replica: int) -> Iterator[tuple[list, Any, np.ndarray | None]]:
+        """This worker's steps over a globally batched dataset, every worker taking the same number of steps.
+
+        Under DATA sharding every worker reads every global batch and splits it
+        the same way, so each knows every replica's rows at every step.  When
+        the workers also agree, once at the start of the pass, that the dataset
+        has the same known cardinality everywhere, the pass runs that many steps
+        with no per-step exchange (the end-of-data answer is known in advance);
+        otherwise (unknown cardinality, OFF sharding, or workers that disagree)
+        each step's batch sizes are exchanged (``agree``).
+
+        Raises:
+            ValueError: the dataset yields a different number of batches than
+                its cardinality (the other workers' steps would not match).
+        """
+        from distribute.data.options import AutoShardPolicy
+
+        if self._exchange is None:
+            yield from self.agree(self.dataset_batches(dataset, rows_per_replica))
+            return
+        cardinality = int(dataset.cardinality())
+        data = self.shard_policy(dataset) == AutoShardPolicy.DATA
+        plan = json.dumps([cardinality if data and cardinality >= 0 else None, rows_per_replica]).encode()
+        plans = self._exchange.all_gather(self._exchange.new_channel(), plan, "the input pass's cardinality")
+        if len(set(plans)) != 1 or json.loads(plans[0])[0] is None:
+            yield from self.agree(self.dataset_batches(dataset, rows_per_replica))
+            return
+        steps = 0
+        for local, treedef, lengths, _ in self._split_global(dataset, rows_per_replica):
+            if steps == cardinality:
+                raise ValueError(
+                    f"The dataset yielded more than its cardinality() = {cardinality} batches on worker "
+                    f"{self._cluster.worker_id}; the workers planned {cardinality} steps from it. Give the dataset a "
+                    "correct cardinality (e.g. dataset.apply(assert_cardinality(n))), or one it cannot know."
+                )
+            steps += 1
+            yield local, treedef, lengths
+        if steps != cardinality:
+            raise ValueError(
+                f"The dataset yielded {steps} batches on worker {self._cluster.worker_id}, not its cardinality() = "
+                f"{cardinality}; the workers planned {cardinality} steps from it. Give the dataset a correct "
+                "cardinality, or one it cannot know (then the workers agree at every step)."
+            )
 
     def agree(self, batches: Iterator) -> Iterator[tuple[list, Any, np.ndarray | None]]:
         """Runs a step while any worker has data; workers without data give their replicas no rows."""

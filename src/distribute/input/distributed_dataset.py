@@ -134,7 +134,7 @@ class DistributedDataset:
         ext = strategy.extended
 
         def batches(codec):
-            return ext.input_policy.agree(ext.input_policy.dataset_batches(_Encoded(dataset, codec), rows))
+            return ext.input_policy.distributed_batches(_Encoded(dataset, codec), rows)
 
         cardinality = ext.input_policy.dataset_cardinality(dataset)
         spec = lambda: specs.per_replica(

@@ -58,6 +58,10 @@ class InputPolicy:
         """Steps in one pass of ``experimental_distribute_dataset(dataset)``."""
         return dataset.cardinality()
 
+    def distributed_batches(self, dataset: Any, rows_per_replica: int) -> Batches:
+        """The steps of one pass over a globally batched dataset: ``agree(dataset_batches(...))``."""
+        return self.agree(self.dataset_batches(dataset, rows_per_replica))
+
     def agree(self, batches: Batches) -> Batches:
         """Makes every worker take the same number of steps (one worker: nothing to agree on)."""
         return batches

@@ -17,14 +17,23 @@ the per-step functions are replaced by SPMD programs over the strategy's mesh:
 
 Beyond TF: TF's Keras averages each replica's mean loss, so an uneven last
 batch gives a slightly different answer there; here it is exact.
+
+Per-step cost of Keras' loop, for these models only: a batch-end callback call
+that no callback listens to is skipped (Keras would read every step's logs to
+the host for it), the loop's state is stored on the model untracked, and the
+last, partial batch of ``fit`` on arrays is compiled ahead, in a thread, when it
+splits evenly between the replicas.
 """
 
 from __future__ import annotations
 
+import contextvars
 import functools
+import threading
 from typing import Any
 
 import jax
+import keras
 import numpy as np
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
@@ -32,7 +41,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from distribute.mesh import AXIS
 from distribute import _context, collectives
 from distribute import spmd, uneven
-from distribute._keras import JAXTrainer, Trainer, patch, tree
+from distribute._keras import DataAdapter, JAXTrainer, Layer, Trainer, copy_thread_state, patch, tree
 from distribute.input.splitting import split_batch, split_counts
 from distribute.keras_support import steps
 from distribute.keras_support.data_adapter import adapt
@@ -47,10 +56,58 @@ def install() -> None:
         patch(JAXTrainer, name, _in_scope)
     for kind in _KINDS:
         patch(JAXTrainer, f"make_{kind}_function", functools.partial(_routed, kind=kind))
+    patch(Layer, "__setattr__", _untracked_loop_state)
+    for kind in ("train", "test", "predict"):
+        patch(keras.callbacks.CallbackList, f"on_{kind}_batch_end", functools.partial(_batch_end, kind=kind))
+
+
+# -- the per-step cost of Keras' loop, for models compiled in a strategy's scope --------
+# Keras' JAX loop stores the step's state on the model every step (``self._jax_state =
+# {...}``), and Layer.__setattr__ walks it for variables and layers to track (about
+# 0.2 ms a step on the mlp workload). It holds arrays only, read back by
+# ``jax_state_sync``; nothing in it is ever tracked. For a distributed model it is stored
+# as is.
+_LOOP_STATE = frozenset({"_jax_state", "_jax_state_synced"})
+
+
+def _untracked_loop_state(original):
+    def __setattr__(self, name, value):
+        if name in _LOOP_STATE and self.__dict__.get("_distribute_strategy") is not None:
+            object.__setattr__(self, name, value)
+            return
+        original(self, name, value)
+
+    return __setattr__
+
+
+def _listens(callbacks: list, kind: str) -> bool:
+    """Whether any callback overrides the ``on_<kind>_batch_end`` hook (or ``on_batch_end`` for train)."""
+    names = (f"on_{kind}_batch_end", "on_batch_end") if kind == "train" else (f"on_{kind}_batch_end",)
+    return any(not getattr(getattr(c, n, None), "_is_default", False) for c in callbacks for n in names)
+
+
+def _batch_end(original, kind):
+    """``CallbackList.on_<kind>_batch_end``: nothing to do when no callback listens (distributed models).
+
+    Keras hands every step's logs to a thread that converts them to Python floats
+    (a device-to-host read per metric) and then calls hooks that do nothing
+    (History, and every callback without batch hooks). For a distributed model,
+    when no callback in the list overrides the hook, the call is skipped: no callback
+    could observe it. Any callback with a batch hook (the progress bar, a user's)
+    gets every step's logs exactly as from Keras.
+    """
+
+    def method(self, batch, logs=None):
+        # Callback.model (a property) would sync the loop's state into the model's variables.
+        if model_strategy(self.__dict__.get("_model")) is not None and not _listens(self.callbacks, kind):
+            return None
+        return original(self, batch, logs)
+
+    return method
 
 
 def model_strategy(model: Any) -> Any:
-    return model.__dict__.get("_distribute_strategy")
+    return getattr(model, "__dict__", {}).get("_distribute_strategy")
 
 
 def _compile_wrapper(original):
@@ -80,10 +137,36 @@ def _in_scope(original):
         strategy = model_strategy(self)
         if strategy is None:
             return original(self, *args, **kwargs)
-        with strategy.scope():
-            return original(self, *args, **kwargs)
+        if original.__name__ == "fit":
+            self.__dict__["_distribute_partial_rows"] = _partial_rows(args, kwargs)
+        try:
+            with strategy.scope():
+                return original(self, *args, **kwargs)
+        finally:
+            self.__dict__.pop("_distribute_partial_rows", None)
 
     return method
+
+
+def _partial_rows(args: tuple, kwargs: dict) -> int | None:
+    """Rows of the last, partial training batch of ``fit(x, ..., batch_size)`` on arrays; None if unknown or none.
+
+    Follows Keras: ``batch_size`` defaults to 32 and ``validation_split`` keeps
+    the first ``floor(n * (1 - split))`` rows for training.
+    """
+    x = kwargs.get("x", args[0] if args else None)
+    batch_size = kwargs.get("batch_size", args[2] if len(args) > 2 else None) or 32
+    if kwargs.get("steps_per_epoch") is not None or len(args) > 12 or isinstance(x, DataAdapter):
+        return None
+    leaves = [leaf for leaf in jax.tree_util.tree_leaves(x) if isinstance(leaf, (np.ndarray, jax.Array))]
+    if not leaves or not getattr(leaves[0], "ndim", 0):
+        return None
+    rows = int(leaves[0].shape[0])
+    split = kwargs.get("validation_split", args[6] if len(args) > 6 else 0.0) or 0.0
+    if split and kwargs.get("validation_data", args[7] if len(args) > 7 else None) is None:
+        rows = int(np.floor(rows * (1.0 - float(split))))
+    partial = rows % int(batch_size)
+    return partial or None
 
 
 def _routed(original, kind):
@@ -152,6 +235,8 @@ class _StepRunner:
         self.variables, self.per_replica_result, self.multi_step = variables, per_replica_result, multi_step
         self.cache: dict = {}
         self.steps: dict = {}
+        self.ahead: dict = {}  # key -> (thread, [Compiled or None]): programs compiled ahead (the partial batch)
+        self.considered: set = set()  # (treedef, partial rows) already compiled ahead or found not to need it
 
     def _step(self, treedef: Any) -> Any:
         if treedef not in self.steps:
@@ -175,6 +260,11 @@ class _StepRunner:
 
     def _compiled(self, treedef: Any, placed: list, steps: int) -> Any:
         key = (treedef, tuple((p.shape, p.dtype) for p in placed), steps)
+        if key not in self.cache and key in self.ahead:
+            thread, compiled = self.ahead.pop(key)
+            thread.join()
+            if compiled[0] is not None:  # else: compile it here (and raise its error here, if any)
+                self.cache[key] = compiled[0]
         if key not in self.cache:
             body = self._in_context(self._step(treedef))
             result_spec = P(AXIS) if self.per_replica_result else P()
@@ -225,7 +315,12 @@ class _StepRunner:
         for treedef, host, counts in split:
             if counts is None:
                 leaves = ext.replica_mesh.put_per_replica_all(host)
-                result, state = self._compiled(treedef, leaves, 1)(state, leaves)
+                program = self._compiled(treedef, leaves, 1)
+                announced = (treedef, self.model.__dict__.get("_distribute_partial_rows"))
+                if announced[1] and announced not in self.considered:
+                    self.considered.add(announced)
+                    self._compile_partial_ahead(treedef, leaves, state)
+                result, state = program(state, leaves)
                 ext.record_dispatch(result)
                 if self.per_replica_result:
                     result = tree.map_structure(lambda o: _rows_in_order(ext.replica_mesh.to_host(o)), result)
@@ -233,6 +328,44 @@ class _StepRunner:
                 result, state = self._run_uneven(treedef, host, counts, state)
             outputs.append(result)
         return outputs, state
+
+    def _compile_partial_ahead(self, treedef: Any, leaves: list, state: Any) -> None:
+        """Compiles the step for fit's last, partial batch in a background thread, while the epoch's full steps run.
+
+        Only when ``fit`` on arrays announced a partial batch
+        (``_distribute_partial_rows``) that splits evenly between the replicas (an
+        uneven one runs the exact uneven step, compiled per replica shape).  The
+        thread traces with a copy of the caller's context and Keras settings; the
+        result is used only for exactly the shapes it was compiled for, and a
+        failed compile is simply redone (and raises) when the batch arrives.
+        """
+        partial = self.model.__dict__.get("_distribute_partial_rows")
+        num_replicas = self.strategy.num_replicas_in_sync
+        if self.per_replica_result or not partial or partial % num_replicas or jax.process_count() > 1:
+            return
+        rows = partial // num_replicas
+        if leaves[0].shape[1] == rows:
+            return
+        shapes = [jax.ShapeDtypeStruct((p.shape[0], rows, *p.shape[2:]), p.dtype, sharding=p.sharding) for p in leaves]
+        key = (treedef, tuple((p.shape, p.dtype) for p in shapes), 1)
+        if key in self.cache or key in self.ahead:
+            return
+        state_shapes = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding, weak_type=a.aval.weak_type), state)
+        body = self._in_context(self._step(treedef))
+        program = spmd.compile_program(self.strategy, body, (P(), P(AXIS)), (P(), P()), donate_argnums=(0,))
+        out: list = [None]
+        keras_state = copy_thread_state()
+
+        def compile_ahead() -> None:
+            try:
+                keras_state.apply()
+                out[0] = program.lower(state_shapes, shapes).compile()
+            except Exception:  # noqa: BLE001 - compiled again, raising there, when the batch arrives
+                out[0] = None
+
+        thread = threading.Thread(target=contextvars.copy_context().run, args=(compile_ahead,), name="distribute-compile-ahead", daemon=True)
+        self.ahead[key] = (thread, out)
+        thread.start()
 
     def _run_uneven(self, treedef: Any, leaves: list, counts: np.ndarray, state: Any) -> tuple[Any, Any]:
         """The exact uneven step: every replica runs ``step`` on its own rows, in its own thread."""
