@@ -221,3 +221,13 @@ def test_replica_code_that_cannot_be_one_program_runs_per_replica_as_tf():
     x = _first_batch(s, (1.0, 2.0, 30.0, 40.0), 4)
     got = local_lists(s, s.run(lambda v: v * 2 if float(jnp.sum(v)) > 10 else v, args=(x,)))
     assert got == [[1.0, 2.0], [60.0, 80.0]]
+
+
+def test_uneven_step_collective_of_a_constant_is_exact():
+    # A collective of a value that does not depend on the inputs (a constant) is part of the compiled
+    # replica program too: every replica counts once, in order with the others' collectives.
+    s = mirrored(2)
+    x = _first_batch(s, (5.0, 6.0, 7.0), 4)  # 2 | 1
+    got = s.run(lambda v: (_ctx().all_reduce("SUM", 1.0), _ctx().all_reduce("SUM", jnp.sum(v))), args=(x,))
+    assert local_lists(s, got[0]) == [2.0, 2.0]
+    assert local_lists(s, got[1]) == [18.0, 18.0]

@@ -204,12 +204,16 @@ class ThreadedReplicaContext(ReplicaContext):
 
     # -- the meeting ------------------------------------------------------------------
     def _traced(self, leaves: list) -> bool:
-        """True when ``leaves`` are traced and the collective becomes a callback of the program."""
-        if not any(isinstance(leaf, jax.core.Tracer) for leaf in leaves):
-            return False
+        """True while this replica's program is traced: the collective becomes a callback of the program.
+
+        Even of concrete values (a constant): meeting the others at trace time would
+        pair this trace with their programs' collectives.
+        """
         if self._callbacks:
             return True
-        raise self._under_transformation()
+        if any(isinstance(leaf, jax.core.Tracer) for leaf in leaves):
+            raise self._under_transformation()
+        return False
 
     def _meet_in_program(self, leaves: list, what: str, combine: Callable[[list], list], result_specs: list) -> list:
         """The collective as an ordered host callback: the executing replica meets the others there.
