@@ -562,8 +562,6 @@ def test_cluster_type_names_are_tfs():
                                                      task_type="worker", task_id=0))
 
 
-@pytest.mark.xfail(strict=True, reason="a resolver whose task_type is not chief/worker/ps/evaluator is accepted; "
-                   "TF testArbitraryCurrentTaskType: ValueError 'Unrecognized task_type: foobar'")
 def test_arbitrary_current_task_type(ray_instance):
     resolver = _Resolver(_spec(worker=1, ps=1, chief=1), rpc_layer="grpc", task_type="foobar")
     strategy = None

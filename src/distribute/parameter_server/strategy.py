@@ -306,6 +306,9 @@ def _task_counts(resolver: Any, num_workers: int | None, num_ps: int | None) -> 
     if not jobs:
         raise ValueError("Cluster spec must be non-empty in `tf.distribute.cluster_resolver.ClusterResolver`.")
     allowed = ("chief", "worker", "ps", "evaluator")
+    task_type = getattr(resolver, "task_type", None)
+    if task_type not in (None, *allowed):
+        raise ValueError(f'Unrecognized task_type: {task_type}, valid task types are: "chief", "worker", "evaluator" and "ps".')
     if any(job not in allowed for job in jobs):
         raise ValueError(
             f"Disallowed task type found in cluster spec. Allowed types are {allowed} and the cluster spec is {jobs}."
