@@ -22,7 +22,7 @@ from distribute.launch import launch, task_environment
 
 pytestmark = pytest.mark.multiprocess
 
-SRC = str(Path(launch_module.__file__).resolve().parents[1])
+SRC = str(Path(launch_module.__file__).resolve().parents[2])
 CHILD_ENV = {"PYTHONPATH": os.pathsep.join(p for p in (SRC, os.environ.get("PYTHONPATH")) if p)}
 
 
@@ -159,7 +159,7 @@ def test_launch_validates_arguments():
 
 
 def test_split_argv_keeps_program_arguments():
-    split = launch_module._split_argv
+    from distribute.launch._cli import _split_argv as split
     assert split(["--num-workers", "2", "-m", "pkg.mod", "--num-workers", "5"]) == (
         ["--num-workers", "2"], ["-m", "pkg.mod", "--num-workers", "5"])
     assert split(["--num-workers=2", "--chief", "train.py", "-v"]) == (
@@ -201,14 +201,6 @@ def test_main_module_and_timeout(tmp_path, capsys, monkeypatch):
     assert "give the program to run" in capsys.readouterr().err
 
 
-# Runs launch.py as a plain file, so the test does not pay for importing the package.
-STANDALONE = (
-    "import importlib.util, sys; spec = importlib.util.spec_from_file_location('launch', sys.argv[1]); "
-    "m = importlib.util.module_from_spec(spec); sys.modules['launch'] = m; spec.loader.exec_module(m); "
-    "sys.exit(m.main(sys.argv[2:]))"
-)
-
-
 def test_ctrl_c_is_forwarded_to_every_task(tmp_path):
     path = script(tmp_path, """
         import time
@@ -218,8 +210,8 @@ def test_ctrl_c_is_forwarded_to_every_task(tmp_path):
         except KeyboardInterrupt:
             print("interrupted", flush=True)
     """)
-    proc = subprocess.Popen([sys.executable, "-c", STANDALONE, launch_module.__file__, "--num-workers", "2", path],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen([sys.executable, "-m", "distribute.launch", "--num-workers", "2", path],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, **CHILD_ENV})
     lines: queue.Queue = queue.Queue()
     threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True).start()
     seen = []

@@ -18,12 +18,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import distribute.launch as launch_module
+import distribute.launch._ps as launch_module  # the ps host command is read there
 from distribute.launch import build_ps_cluster, launch_parameter_server
 
 pytestmark = pytest.mark.multiprocess
 
-SRC = str(Path(launch_module.__file__).resolve().parents[1])
+SRC = str(Path(launch_module.__file__).resolve().parents[2])
 JOB = str(Path(__file__).with_name("ps_launch_job.py"))
 CHILD_ENV = {"PYTHONPATH": os.pathsep.join(p for p in (SRC, os.environ.get("PYTHONPATH")) if p),
              "KERAS_BACKEND": "jax", "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
