@@ -1,0 +1,167 @@
+"""Lifting Keras variables into programs, and classifying a replica function's inputs and outputs.
+
+``LiftingScope`` is a Keras ``StatelessScope`` whose variable values are traced
+program inputs; it records what the function reads (``missing``) and assigns
+(``written``).  The input kinds (``SHARDED`` per-replica, ``REPLICATED``,
+``STATIC`` Python values) and output kinds (``ARRAY_OUT``, ``SUMMED_OUT`` small
+numbers also summed in the step, ``STATIC_OUT`` Python constants) are shared by
+the SPMD step (``tracing.py``) and the uneven step (``uneven_step.py``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+from distribute import sync_on_read
+from distribute._keras import KerasVariable, StatelessScope
+from distribute.values import DistributedValues, Mirrored
+
+
+SHARDED, REPLICATED, STATIC = 0, 1, 2
+ARRAY_OUT, SUMMED_OUT, STATIC_OUT = 0, 1, 2
+_FUSED_REDUCE_MAX_SIZE = 64  # elements per replica; bigger outputs are reduced on demand
+
+
+class LiftingScope(StatelessScope):
+    """A StatelessScope whose variable values are traced program inputs.
+
+    Reads of variables it does not map are recorded in ``missing`` (and answered
+    by the parent scope, if any); assignments are recorded in ``written``.
+    """
+
+    def __init__(self, mapping: dict[int, Any], parent: "LiftingScope | None" = None, device: Any = None):
+        # StatelessScope.__init__ converts values eagerly; ours are tracers already.
+        self.collect_losses = False
+        self.initialize_variables = False
+        self.losses: list = []
+        self.state_mapping = dict(mapping)
+        self.parent = parent
+        self.missing: dict[int, KerasVariable] = {}
+        self.written: dict[int, KerasVariable] = {}
+        self.device = device  # an uneven step's replica device: unmapped variables read their copy there
+        self.plain: set[int] = set()  # variables whose last write was a plain assign (not assign_add/sub)
+        self.additive_depth = 0  # > 0 inside assign_add / assign_sub
+
+    def add_update(self, update: tuple) -> None:
+        variable, value = update
+        self.state_mapping[id(variable)] = value
+        self.written[id(variable)] = variable
+        if self.additive_depth:
+            self.plain.discard(id(variable))
+        else:
+            self.plain.add(id(variable))
+
+    def get_current_value(self, variable: KerasVariable) -> Any:
+        value = self.state_mapping.get(id(variable))
+        if value is None and self.parent is not None:
+            value = self.parent.get_current_value(variable)
+        if value is None and self.device is not None and variable._value is not None:
+            value = self.state_mapping[id(variable)] = local_value(variable, self.device)
+        if value is None:
+            self.missing[id(variable)] = variable
+        return value
+
+
+def classify_outputs(out_leaves: list) -> tuple[list, list, list]:
+    """Python constants pass through (TF's regroup returns them as they are); arrays become PerReplica."""
+    kinds, statics, arrays = [], [], []
+    for x in out_leaves:
+        if is_python_constant(x):
+            kinds.append(STATIC_OUT)
+            statics.append(x)
+            continue
+        x = as_output(x)
+        small = x.size <= _FUSED_REDUCE_MAX_SIZE and jnp.issubdtype(x.dtype, jnp.number)
+        kinds.append(SUMMED_OUT if small else ARRAY_OUT)
+        statics.append(None)
+        arrays.append(x)
+    return kinds, statics, arrays
+
+
+def is_python_constant(x: Any) -> bool:
+    return isinstance(x, (bool, int, float, complex, str, bytes, type(None)))
+
+
+def dynamic_kinds(kinds: list) -> list:
+    """The kinds of the array leaves only (``dynamic`` holds no static leaves)."""
+    return [k for k in kinds if k != STATIC]
+
+
+def local_value(var: KerasVariable, device: Any) -> Any:
+    """Variable ``var``'s copy on ``device`` (its replicated array's shard there; a SyncOnRead one's own copy)."""
+    value = var._value
+    if sync_on_read.tracked(var):
+        return next(s.data[0] for s in sync_on_read.copies(var).addressable_shards if s.device == device)
+    if isinstance(value, jax.Array):
+        for shard in value.addressable_shards:
+            if shard.device == device:
+                return shard.data
+    return jax.device_put(value, device)
+
+
+def array_of(value: Any) -> Any:
+    return value._array if isinstance(value, Mirrored) else value
+
+
+def as_output(x: Any) -> jax.Array:
+    if isinstance(x, KerasVariable):
+        x = x.value
+    if isinstance(x, DistributedValues):
+        raise TypeError("the replica function returned a distributed value; return arrays instead.")
+    try:
+        return jnp.asarray(x)
+    except TypeError as err:
+        raise TypeError(
+            f"the replica function returned {x!r} of type {type(x).__name__}; strategy.run "
+            "returns arrays only (nested in tuples, lists or dicts). Return arrays, or "
+            "keep other values outside the replica function."
+        ) from err
+
+
+def check_ownership(strategy, variables: list) -> None:
+    """Raises the ValueError of ``keras_support.hooks.ownership_error`` for the first variable not made in ``strategy``'s scope."""
+    from distribute.keras_support.hooks import ownership_error
+
+    for var in variables:
+        if not strategy.extended._owns(var):
+            raise ownership_error(strategy, var)
+
+
+def function_key(fn: Callable) -> Any:
+    """Cache key of a replica function: the function, or (function, instance) for a bound method.
+
+    ``obj.step`` makes a new bound-method object on every access; keying on it
+    would compile every step.
+    """
+    owner = getattr(fn, "__self__", None)
+    func = getattr(fn, "__func__", None)
+    if owner is not None and func is not None:
+        return ("method", func, id(owner))
+    return fn
+
+
+def place(value: Any, sharding: Any) -> Any:
+    if isinstance(value, jax.Array) and value.sharding == sharding:
+        return value
+    return jax.device_put(value, sharding)
+
+
+def is_input_leaf(x: Any) -> bool:
+    return isinstance(x, (DistributedValues, KerasVariable))
+
+
+def is_keras_variable(x: Any) -> bool:
+    return isinstance(x, KerasVariable)
+
+
+def static_key(leaf: Any) -> Any:
+    try:
+        hash(leaf)
+    except TypeError:
+        return ("id", id(leaf))
+    if isinstance(leaf, KerasVariable):
+        return ("id", id(leaf))
+    return (type(leaf), leaf)
