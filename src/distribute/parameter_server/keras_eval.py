@@ -31,6 +31,7 @@ from distribute.parameter_server.keras_rules import (
     VERBOSE_1,
     check_callbacks,
     execution_sizes,
+    spec_batch,
     steps_per_execution,
 )
 
@@ -88,11 +89,12 @@ class Evaluation:
             if steps is None:
                 raise ValueError(STEPS_REQUIRED_CREATOR)
             _check_steps(steps, "steps")
-            if not ps_hooks.fit_state_built(model):
-                raise ValueError(
-                    "model.evaluate under ParameterServerStrategy with a DatasetCreator needs a built model and built "
-                    "metrics: fit or evaluate once from numpy arrays or a Dataset first."
-                )
+            iterators = {} if iterators is None else iterators
+            if iterators.get(id(source)) is None:
+                iterators[id(source)] = iter(self.coordinator.create_per_worker_dataset(source))
+            if not ps_hooks.fit_state_built(model):  # TF builds from the first batch; here from the workers' spec
+                with self.strategy.scope():
+                    ps_hooks.build_fit_state(model, spec_batch(iterators[id(source)]))
             feed: Iterator = iter(())
         else:
             feed = batches_of(source, steps, "evaluate")  # from the first batch each run, as Keras 3
@@ -107,10 +109,7 @@ class Evaluation:
         model.reset_metrics()  # pushed to the ps
         per_execution = steps_per_execution(model)
         if per_worker:
-            iterators = {} if iterators is None else iterators
-            iterator = iterators.get(id(source))
-            if iterator is None:
-                iterator = iterators[id(source)] = iter(self.coordinator.create_per_worker_dataset(source))
+            iterator = iterators[id(source)]
             for size in execution_sizes(steps, per_execution):
                 self.coordinator.schedule(self._test_iterator, args=(iterator, size))
         else:
