@@ -29,6 +29,8 @@ from distribute.parameter_server.keras_rules import (
     RUN_EAGERLY,
     STEPS_REQUIRED_CREATOR,
     VERBOSE_1,
+    call_batch_begin,
+    call_batch_end,
     check_callbacks,
     execution_sizes,
     spec_batch,
@@ -52,18 +54,16 @@ class Evaluation:
         self.coordinator = ClusterCoordinator(strategy)
         replica_fn = ps_hooks.test_replica_fn(model)
 
-        def test_batches(batches):
-            loss = None
+        def test_batches(batches):  # returns the batch hooks' logs, as TF's test_function
             for x, y, sample_weight in batches:
-                loss = strategy.run(replica_fn, args=(x, y, sample_weight))
-            return loss
+                strategy.run(replica_fn, args=(x, y, sample_weight))
+            return model.get_metrics_result()
 
         def test_iterator(iterator, num_steps):
-            loss = None
             for _ in range(num_steps):
                 x, y, sample_weight = ps_hooks.unpack_x_y_sample_weight(next(iterator))
-                loss = strategy.run(replica_fn, args=(x, y, sample_weight))
-            return loss
+                strategy.run(replica_fn, args=(x, y, sample_weight))
+            return model.get_metrics_result()
 
         self._test_batches, self._test_iterator = test_batches, test_iterator
 
@@ -110,11 +110,14 @@ class Evaluation:
         per_execution = steps_per_execution(model)
         if per_worker:
             iterator = iterators[id(source)]
-            for size in execution_sizes(steps, per_execution):
-                self.coordinator.schedule(self._test_iterator, args=(iterator, size))
+            scheduled = ((size, (self._test_iterator, (iterator, size))) for size in execution_sizes(steps, per_execution))
         else:
-            for group in _groups(feed, per_execution):
-                self.coordinator.schedule(self._test_batches, args=(group,))
+            scheduled = ((len(group), (self._test_batches, (group,))) for group in _groups(feed, per_execution))
+        begin = 0
+        for size, (fn, args) in scheduled:  # TF's test batch hooks, one pair per scheduled closure
+            call_batch_begin(callbacks, "test", begin)
+            call_batch_end(callbacks, "test", begin + size - 1, self.coordinator.schedule(fn, args=args))
+            begin += size
         self.coordinator.join()
         logs = {k: float(np.asarray(v)) for k, v in model.get_metrics_result().items()}
         callbacks.on_test_end(logs)
