@@ -186,6 +186,21 @@ def test_fit_calls_tfs_batch_hooks_per_scheduled_closure(one_worker, tmp_path):
     # (one batch carried over the epoch boundary, as Keras counts).
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ck-1-3.keras", "ck-1-6.keras", "ck-2-3.keras",
                                                           "ck-2-6.keras"]
+    # evaluate: on_test_batch_* per closure of the coordinator's batches (8 batches: 3, 3, 2).
+    calls.clear()
+
+    class TestHooks(keras.callbacks.Callback):
+        _supports_tf_logs = True
+
+        def on_test_batch_begin(self, batch, logs=None):
+            calls.append(("begin", batch))
+
+        def on_test_batch_end(self, batch, logs=None):
+            calls.append(("end", batch, sorted(logs)))
+
+    model.evaluate(x, y, batch_size=8, verbose=0, callbacks=[TestHooks()])
+    assert calls == [("begin", 0), ("end", 2, ["loss", "mae"]), ("begin", 3), ("end", 5, ["loss", "mae"]),
+                     ("begin", 6), ("end", 7, ["loss", "mae"])]
     reference = _compiled("sgd")
     reference.fit(x[:24], y[:24], batch_size=8, epochs=1, shuffle=False, verbose=0)  # the first closure's 3 steps
     saved = keras.models.load_model(tmp_path / "ck-1-3.keras")
