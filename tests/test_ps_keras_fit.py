@@ -137,17 +137,94 @@ def test_fit_from_a_dataset_creator(one_worker):
     creator = distribute.DatasetCreator(lambda ctx: Dataset.from_tensor_slices((x, y)).repeat().batch(8))
     with one_worker.scope():
         model = _compiled("sgd")
-    with pytest.raises(ValueError, match="needs a built model and built metrics"):
-        model.fit(creator, epochs=1, steps_per_epoch=2, verbose=0)
     with pytest.raises(ValueError, match="`steps_per_epoch`, `validation_steps`, `steps`, or `pss_evaluation_shards`"):
         model.fit(creator, epochs=1, verbose=0)
-    model.fit(x, y, batch_size=8, epochs=1, steps_per_epoch=8, shuffle=False, verbose=0)  # builds metrics too
-    model.fit(creator, epochs=2, steps_per_epoch=8, verbose=0)
+    # The compiled metrics are unbuilt: TF builds them from the first batch, here from the workers' element spec.
+    assert not model._compile_metrics.built
+    history = model.fit(creator, epochs=2, steps_per_epoch=8, verbose=0)
+    assert sorted(history.history) == ["loss", "mae"]
+    model.fit(x, y, batch_size=8, epochs=1, steps_per_epoch=8, shuffle=False, verbose=0)
     reference = _compiled("sgd")
-    reference.fit(x, y, batch_size=8, epochs=3, shuffle=False, verbose=0)
-    for got, expected in zip(model.get_weights(), reference.get_weights()):
-        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+    expected = reference.fit(x, y, batch_size=8, epochs=3, shuffle=False, verbose=0)
+    for got, want in zip(model.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(history.history["mae"], expected.history["mae"][:2], rtol=1e-5)
     assert int(model.optimizer.iterations.numpy()) == 24
+
+
+def test_fit_calls_tfs_batch_hooks_per_scheduled_closure(one_worker, tmp_path):
+    """TF's PS fit: on_train_batch_begin(step) / on_train_batch_end(step + K - 1, logs) per closure of K steps.
+
+    ``logs`` is the closure's RemoteValue (a callback declaring ``_supports_tf_logs`` may
+    fetch it: the worker's logs after its steps); Keras' ModelCheckpoint with an integer
+    ``save_freq`` reads them, so the save waits for that closure and writes the ps values:
+    with one worker, exactly those after the closure's steps.
+    """
+    x, y = _data()
+    calls = []
+
+    class Hooks(keras.callbacks.Callback):
+        _supports_tf_logs = True
+
+        def on_train_batch_begin(self, batch, logs=None):
+            calls.append(("begin", batch, logs))
+
+        def on_train_batch_end(self, batch, logs=None):
+            calls.append(("end", batch, sorted(logs.fetch()), isinstance(logs, dict)))
+
+    with one_worker.scope():
+        model = _compiled("sgd")
+        model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse", metrics=["mae"], steps_per_execution=3)
+    checkpoint = keras.callbacks.ModelCheckpoint(str(tmp_path / "ck-{epoch}-{batch}.keras"), save_freq=3)
+    model.fit(x, y, batch_size=8, epochs=2, steps_per_epoch=7, shuffle=False, verbose=0,
+              callbacks=[Hooks(), checkpoint, keras.callbacks.TerminateOnNaN()])
+    per_epoch = [("begin", 0, None), ("end", 2, ["loss", "mae"], False), ("begin", 3, None),
+                 ("end", 5, ["loss", "mae"], False), ("begin", 6, None), ("end", 6, ["loss", "mae"], False)]
+    assert calls == per_epoch * 2
+    assert int(model.optimizer.iterations.numpy()) == 14
+    # Keras' save_freq counting over closure ends 2, 5, 6 | 2, 5, 6: saves after batches 3 and 6 of each epoch
+    # (one batch carried over the epoch boundary, as Keras counts).
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck-1-3.keras", "ck-1-6.keras", "ck-2-3.keras",
+                                                          "ck-2-6.keras"]
+    # evaluate: on_test_batch_* per closure of the coordinator's batches (8 batches: 3, 3, 2).
+    calls.clear()
+
+    class TestHooks(keras.callbacks.Callback):
+        _supports_tf_logs = True
+
+        def on_test_batch_begin(self, batch, logs=None):
+            calls.append(("begin", batch))
+
+        def on_test_batch_end(self, batch, logs=None):
+            calls.append(("end", batch, sorted(logs)))
+
+    model.evaluate(x, y, batch_size=8, verbose=0, callbacks=[TestHooks()])
+    assert calls == [("begin", 0), ("end", 2, ["loss", "mae"]), ("begin", 3), ("end", 5, ["loss", "mae"]),
+                     ("begin", 6), ("end", 7, ["loss", "mae"])]
+    reference = _compiled("sgd")
+    reference.fit(x[:24], y[:24], batch_size=8, epochs=1, shuffle=False, verbose=0)  # the first closure's 3 steps
+    saved = keras.models.load_model(tmp_path / "ck-1-3.keras")
+    for got, want in zip(saved.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_batch_level_callbacks_that_tf_refuses(two_workers, tmp_path):
+    x, y = _data()
+    with two_workers.scope():
+        model = _compiled("sgd")
+
+    class PerTestBatch(keras.callbacks.Callback):
+        def on_test_batch_end(self, batch, logs=None):
+            pass
+
+    with pytest.raises(ValueError, match=r"Batch-level `Callback`s are not supported .* Found unsupported callbacks"):
+        model.fit(x, y, epochs=1, steps_per_epoch=2, verbose=0, callbacks=[PerTestBatch()])
+    for backup in (keras.callbacks.BackupAndRestore(str(tmp_path / "a"), save_freq=2),
+                   distribute.BackupAndRestore(tmp_path / "b", save_freq=2)):
+        with pytest.raises(NotImplementedError, match=r"save_freq=2\) under ParameterServerStrategy: TF's callback "
+                           "skips its batch-level backups"):
+            model.fit(x, y, epochs=1, steps_per_epoch=2, verbose=0, callbacks=[backup])
+    assert int(model.optimizer.iterations.numpy()) == 0
 
 
 def test_fit_from_experimental_distribute_dataset_and_bad_steps(two_workers):

@@ -29,6 +29,7 @@ _EXPORTS = {
     "Checkpoint": "distribute.checkpoint",
     "CheckpointManager": "distribute.checkpoint",
     "latest_checkpoint": "distribute.checkpoint",
+    "checkpoints_iterator": "distribute.checkpoint",
     "CrossDeviceOps": "distribute.cross_device_ops",
     "HierarchicalCopyAllReduce": "distribute.cross_device_ops",
     "NcclAllReduce": "distribute.cross_device_ops",
@@ -57,7 +58,7 @@ _EXPORTS = {
     "has_strategy": "distribute.strategy",
     "in_cross_replica_context": "distribute.strategy",
 }
-_SUBMODULES = {"data", "cluster_resolver", "coordinator", "experimental"}
+_SUBMODULES = {"data", "cluster_resolver", "coordinator", "experimental", "checkpoint"}
 
 __all__ = sorted([*_EXPORTS, *_SUBMODULES])
 

@@ -11,12 +11,14 @@ from distribute.checkpoint import _storage
 from distribute.checkpoint.checkpoint import Checkpoint
 
 
-def _numbered(directory: str, name: str) -> list[tuple[int, str]]:
+def _numbered(directory: str, name: str, wait: bool = True) -> list[tuple[int, str]]:
     """Committed ``{name}-N`` checkpoints in ``directory``, in the order they were saved (as TF), oldest first.
 
-    Orbax's temporary (uncommitted) directories are not listed.
+    Orbax's temporary (uncommitted) directories are not listed.  ``wait``: first
+    wait for this process's saves in flight.
     """
-    _storage.wait_for_pending_saves()
+    if wait:
+        _storage.wait_for_pending_saves()
     location = _storage.checkpoint_path(directory)
     pattern = re.compile(rf"^{re.escape(name)}-(\d+)$")
     if not location.is_dir():

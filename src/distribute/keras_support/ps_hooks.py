@@ -298,6 +298,14 @@ def build_fit_state(model: Any, data_batch: Any) -> None:
     model._symbolic_build(data_batch=data_batch)
 
 
+def initial_epoch(model: Any, initial_epoch: int) -> int:
+    """The epoch fit starts at after ``on_train_begin``: a BackupAndRestore's restored epoch, else ``initial_epoch``.
+
+    Keras' trainers read ``model._initial_epoch`` (set by ``BackupAndRestore``) the same way.
+    """
+    return getattr(model, "_initial_epoch", None) or initial_epoch
+
+
 def fit_state_built(model: Any) -> bool:
     """Whether the model and its compiled metrics are built (fit can then start without a batch)."""
     metrics = model._compile_metrics

@@ -29,8 +29,11 @@ from distribute.parameter_server.keras_rules import (
     RUN_EAGERLY,
     STEPS_REQUIRED_CREATOR,
     VERBOSE_1,
+    call_batch_begin,
+    call_batch_end,
     check_callbacks,
     execution_sizes,
+    spec_batch,
     steps_per_execution,
 )
 
@@ -51,18 +54,16 @@ class Evaluation:
         self.coordinator = ClusterCoordinator(strategy)
         replica_fn = ps_hooks.test_replica_fn(model)
 
-        def test_batches(batches):
-            loss = None
+        def test_batches(batches):  # returns the batch hooks' logs, as TF's test_function
             for x, y, sample_weight in batches:
-                loss = strategy.run(replica_fn, args=(x, y, sample_weight))
-            return loss
+                strategy.run(replica_fn, args=(x, y, sample_weight))
+            return model.get_metrics_result()
 
         def test_iterator(iterator, num_steps):
-            loss = None
             for _ in range(num_steps):
                 x, y, sample_weight = ps_hooks.unpack_x_y_sample_weight(next(iterator))
-                loss = strategy.run(replica_fn, args=(x, y, sample_weight))
-            return loss
+                strategy.run(replica_fn, args=(x, y, sample_weight))
+            return model.get_metrics_result()
 
         self._test_batches, self._test_iterator = test_batches, test_iterator
 
@@ -88,11 +89,12 @@ class Evaluation:
             if steps is None:
                 raise ValueError(STEPS_REQUIRED_CREATOR)
             _check_steps(steps, "steps")
-            if not ps_hooks.fit_state_built(model):
-                raise ValueError(
-                    "model.evaluate under ParameterServerStrategy with a DatasetCreator needs a built model and built "
-                    "metrics: fit or evaluate once from numpy arrays or a Dataset first."
-                )
+            iterators = {} if iterators is None else iterators
+            if iterators.get(id(source)) is None:
+                iterators[id(source)] = iter(self.coordinator.create_per_worker_dataset(source))
+            if not ps_hooks.fit_state_built(model):  # TF builds from the first batch; here from the workers' spec
+                with self.strategy.scope():
+                    ps_hooks.build_fit_state(model, spec_batch(iterators[id(source)]))
             feed: Iterator = iter(())
         else:
             feed = batches_of(source, steps, "evaluate")  # from the first batch each run, as Keras 3
@@ -107,15 +109,15 @@ class Evaluation:
         model.reset_metrics()  # pushed to the ps
         per_execution = steps_per_execution(model)
         if per_worker:
-            iterators = {} if iterators is None else iterators
-            iterator = iterators.get(id(source))
-            if iterator is None:
-                iterator = iterators[id(source)] = iter(self.coordinator.create_per_worker_dataset(source))
-            for size in execution_sizes(steps, per_execution):
-                self.coordinator.schedule(self._test_iterator, args=(iterator, size))
+            iterator = iterators[id(source)]
+            scheduled = ((size, (self._test_iterator, (iterator, size))) for size in execution_sizes(steps, per_execution))
         else:
-            for group in _groups(feed, per_execution):
-                self.coordinator.schedule(self._test_batches, args=(group,))
+            scheduled = ((len(group), (self._test_batches, (group,))) for group in _groups(feed, per_execution))
+        begin = 0
+        for size, (fn, args) in scheduled:  # TF's test batch hooks, one pair per scheduled closure
+            call_batch_begin(callbacks, "test", begin)
+            call_batch_end(callbacks, "test", begin + size - 1, self.coordinator.schedule(fn, args=args))
+            begin += size
         self.coordinator.join()
         logs = {k: float(np.asarray(v)) for k, v in model.get_metrics_result().items()}
         callbacks.on_test_end(logs)

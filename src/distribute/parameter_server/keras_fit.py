@@ -9,7 +9,12 @@ scheduled train step may not give the latest metrics"), so after fit
 ``optimizer.iterations == E * S``.  Validation (``validation_data``,
 ``validation_split``, ``validation_steps``, ``validation_freq``) runs
 ``keras_eval``'s evaluation on the workers after the epoch's ``join()`` and adds
-``val_`` logs, as tf-keras' fit calls ``evaluate``.  Reached through ``ps_hooks``
+``val_`` logs, as tf-keras' fit calls ``evaluate``.  Callbacks get TF's hooks:
+``on_train_batch_begin(step)`` / ``on_train_batch_end(step + K - 1, logs)``
+per scheduled closure, ``logs`` the closure's RemoteValue read lazily
+(``keras_rules.BatchLogs``), epoch hooks with the ps-side logs; a model not yet
+built is built from the element spec the workers report (TF builds it from the
+first batch).  Reached through ``ps_hooks``
 (which patches ``Model.fit``) and ``ParameterServerStrategyExtended._keras_fit``.
 """
 
@@ -26,8 +31,11 @@ from distribute.parameter_server.keras_rules import (
     STEPS_REQUIRED_CREATOR,
     UNSUPPORTED_INPUT,
     VERBOSE_1,
+    call_batch_begin,
+    call_batch_end,
     check_callbacks,
     execution_sizes,
+    spec_batch,
     steps_per_execution,
 )
 
@@ -65,11 +73,14 @@ def fit(
 
     Raises:
         ValueError: ``steps_per_epoch`` missing, ``run_eagerly``, ``verbose=1``,
-            batch-level callbacks (TF's messages), a model not compiled, or
+            batch-level callbacks that do not declare support (TF's messages;
+            Keras' ModelCheckpoint, TensorBoard, BackupAndRestore, ProgbarLogger
+            and TerminateOnNaN do, as TF's), a model not compiled, or
             ``validation_split`` with a Dataset.
         NotImplementedError: ``steps_per_epoch`` not a positive int (TF's
             ``-1``), ``class_weight``, ``sample_weight`` with numpy, an
-            unsupported input type, or an optimizer the ps cannot apply
+            unsupported input type, ``BackupAndRestore(save_freq=int)`` (TF
+            skips its batch-level backups under PS), or an optimizer the ps cannot apply
             (``ps_hooks.check_optimizer``: LossScaleOptimizer, wrappers,
             gradient accumulation).
     """
@@ -134,16 +145,18 @@ def fit(
         source = x
         dataset = x.dataset if isinstance(x, DistributedDatasetSpec) else x
         first = _first_element(dataset) if isinstance(dataset, Dataset) else None
+    iterator = None
     with strategy.scope():  # model, compiled metrics and optimizer slots are created on the ps
         if first is not None:
             ps_hooks.build_fit_state(model, first)
         elif not ps_hooks.fit_state_built(model):
-            raise ValueError("model.fit under ParameterServerStrategy with a DatasetCreator needs a built model and "
-                             "built metrics: in strategy.scope(), call model.compute_metrics on one batch, or fit once "
-                             "from a Dataset, before fitting from a DatasetCreator.")
+            # TF builds the model from the first batch; here from the element spec the workers report.
+            iterator = iter(coordinator.create_per_worker_dataset(source))
+            ps_hooks.build_fit_state(model, spec_batch(iterator))
         if not model.optimizer.built:
             model.optimizer.build(model.trainable_variables)
-    iterator = iter(coordinator.create_per_worker_dataset(source))
+    if iterator is None:
+        iterator = iter(coordinator.create_per_worker_dataset(source))
     step = ps_hooks.cached(model, "_distribute_ps_train_step", lambda: _train_step(strategy, model))
     sizes = execution_sizes(steps_per_epoch, steps_per_execution(model))
     evaluation = Evaluation.of(strategy, model) if validation is not None else None
@@ -155,12 +168,19 @@ def fit(
     )
     model.stop_training = False
     callback_list.on_train_begin()
+    initial_epoch = ps_hooks.initial_epoch(model, initial_epoch)  # BackupAndRestore's resume epoch (Keras' rule)
     logs: dict = {}
     for epoch in range(initial_epoch, epochs):
         model.reset_metrics()  # pushed to the ps
         callback_list.on_epoch_begin(epoch)
-        for size in sizes:
-            coordinator.schedule(step, args=(iterator, size))
+        begin = 0
+        for size in sizes:  # TF: on_train_batch_begin(step), schedule, on_train_batch_end(step + increment, logs)
+            call_batch_begin(callback_list, "train", begin)
+            remote_value = coordinator.schedule(step, args=(iterator, size))
+            call_batch_end(callback_list, "train", begin + size - 1, remote_value)
+            begin += size
+            if model.stop_training:
+                break
         coordinator.join()
         logs = {k: float(np.asarray(v)) for k, v in model.get_metrics_result().items()}
         if evaluation is not None and _should_eval(epoch, validation_freq):
@@ -253,6 +273,11 @@ def _first_batch_of_arrays(x: Any, y: Any, batch_size: int) -> tuple:
 def _train_step(strategy: Any, model: Any) -> Callable:
     """The scheduled train step: ``num_steps`` batches from the worker's iterator (``steps_per_execution``).
 
+    Returns the logs ``{name: value}`` of the model's metrics as this worker
+    sees them after its steps (the ps values it read plus its own updates: TF's
+    "the last scheduled train step may not give the latest metrics"); the
+    batch hooks get them as a lazily fetched ``BatchLogs``.
+
     Every step but the last also updates the worker's copies of the variables
     (``ps_hooks.local_updates``), so the next step of the closure computes its
     gradients on the weights the ps will hold after the previous update, as a TF
@@ -271,6 +296,7 @@ def _train_step(strategy: Any, model: Any) -> Callable:
         for _ in range(num_steps - 1):
             with ps_hooks.local_updates():
                 one_step(iterator)
-        return one_step(iterator)
+        one_step(iterator)
+        return model.get_metrics_result()  # the batch hooks' logs (TF's train_function returns them)
 
     return train_step
