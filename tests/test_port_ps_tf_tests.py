@@ -105,8 +105,6 @@ def test_input_function_with_map(cluster, use_input_fn):
     assert result.fetch() == 10  # TF: (10,); its tracing count (1) has no meaning here: map runs on the workers
 
 
-@pytest.mark.xfail(strict=True, reason="create_per_worker_dataset(input_fn) where input_fn creates a variable is "
-                   "accepted (TF testInputFunctionCreateVariables: ValueError)")
 def test_input_function_create_variables(cluster):
     _, coordinator = cluster
 
@@ -150,9 +148,6 @@ def test_datasets_shuffled_differently_from_an_input_fn(cluster):
     _assert_shuffled_differently(*_per_worker_sequences(coordinator, iter(coordinator.create_per_worker_dataset(input_fn))))
 
 
-@pytest.mark.xfail(strict=True, reason="a Dataset object (not a function) given to create_per_worker_dataset "
-                   "gives every worker the same shuffle order (TF testDatasetsShuffledDifferently(use_input_fn=False): "
-                   "shuffled differently)")
 def test_datasets_shuffled_differently_from_a_dataset(cluster):
     strategy, coordinator = cluster
     dataset = Dataset.range(0, 100).shuffle(100).map(lambda x: (np.int64(os.getpid()), x)).batch(1)
@@ -233,9 +228,6 @@ def test_worker_index_dataset_fn_iterating_to_the_end(cluster):
     coordinator.join()
 
 
-@pytest.mark.xfail(strict=True, raises=ValueError, reason="a per-worker dataset whose last batch is smaller "
-                   "(range(10).batch(4).repeat(): 4, 4, 2 rows) fails at the 2-row batch: the scheduled function was "
-                   "traced for (4,) only; TF 2.21 runs it (measured sums 6, 22, 17 in turn on each worker)")
 def test_partial_batches_in_a_repeated_dataset(cluster):
     _, coordinator = cluster
     iterator = iter(coordinator.create_per_worker_dataset(lambda: Dataset.range(10).batch(4).repeat()))
@@ -244,8 +236,6 @@ def test_partial_batches_in_a_repeated_dataset(cluster):
     assert {int(r.fetch()) for r in results} <= {0 + 1 + 2 + 3, 4 + 5 + 6 + 7, 8 + 9}
 
 
-@pytest.mark.xfail(strict=True, raises=AttributeError, reason="PerWorkerDataset.build() is missing "
-                   "(TF testPerWorkerDatasetBuild: a per-worker dataset passed to a scheduled function)")
 def test_per_worker_dataset_build(cluster):
     _, coordinator = cluster
     per_worker_dataset = coordinator.create_per_worker_dataset(Dataset.from_tensor_slices(np.array([1, 2], np.int32)))
@@ -435,10 +425,6 @@ def test_pass_distributed_dataset_to_create_per_worker_dataset(cluster, from_fun
     np.testing.assert_array_equal(result[0], expected_result[0])
 
 
-@pytest.mark.xfail(strict=True, reason="a per_worker_dataset_fn calling strategy.distribute_datasets_from_function / "
-                   "experimental_distribute_dataset closes over the strategy, which cannot be pickled to the workers "
-                   "(TF testDistributedDatasetInsidePerWorkerDatasetFn, testDistributeDatasetsFromFunction, "
-                   "testAsyncScheduleWithDistributedDataset, testInputFunctionWithMapWithDistributedDataset)")
 @pytest.mark.parametrize("from_function", [True, False])
 def test_distributed_dataset_inside_per_worker_dataset_fn(cluster, from_function):
     strategy, coordinator = cluster
@@ -499,8 +485,6 @@ def test_async_schedule_with_distributed_dataset(cluster):
     np.testing.assert_array_equal(strategy.experimental_local_results(v.numpy()), [[20]])
 
 
-@pytest.mark.xfail(strict=True, reason="PerWorkerDataset.element_spec is a private (treedef, [(shape, dtype)]) "
-                   "tuple; TF gives the dataset's TensorSpec (testPerWorkerDistributeDatasetsElementSpec)")
 def test_per_worker_distribute_datasets_element_spec(cluster):
     strategy, coordinator = cluster
     dataset = Dataset.from_tensor_slices(np.array([1, 2], np.int32))
