@@ -112,7 +112,7 @@ def test_input_function_create_variables(cluster):
         v = keras.Variable(0.0)
         return Dataset.from_tensors(np.float32(v.numpy()))
 
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"^Creating variables in `dataset_fn` is not allowed\.$"):
         per_worker = coordinator.create_per_worker_dataset(input_fn)
         coordinator.schedule(lambda iterator: next(iterator), args=(iter(per_worker),)).fetch()
 
@@ -228,21 +228,93 @@ def test_worker_index_dataset_fn_iterating_to_the_end(cluster):
     coordinator.join()
 
 
+def _two_worker_prefixes(cycle, num_calls):
+    """Every multiset two workers can give when each reads ``cycle`` over and over from the start."""
+    def prefix(n):
+        return [cycle[k % len(cycle)] for k in range(n)]
+    return [sorted(prefix(n) + prefix(num_calls - n)) for n in range(num_calls + 1)]
+
+
 def test_partial_batches_in_a_repeated_dataset(cluster):
+    # TF 2.21 runs it (each worker's sums are 6, 22, 17 in turn): a program per element shape.
+    strategy, coordinator = cluster
+    with strategy.scope():
+        total = keras.Variable(0, dtype="int32")
+
+    def step(it):
+        batch_sum = keras.ops.sum(next(it))
+        total.assign_add(batch_sum)
+        return batch_sum
+
+    iterator = iter(coordinator.create_per_worker_dataset(lambda: Dataset.range(10).batch(4).repeat()))
+    results = [coordinator.schedule(step, args=(iterator,)) for _ in range(8)]
+    coordinator.join()  # 8 steps on 2 workers: one of them reaches its 2-row batch
+    sums = sorted(int(r.fetch()) for r in results)
+    assert sums in _two_worker_prefixes([0 + 1 + 2 + 3, 4 + 5 + 6 + 7, 8 + 9], 8)  # no batch skipped or read twice
+    assert 17 in sums
+    assert int(total.numpy()) == sum(sums)  # each step's update applied once
+
+
+def test_partial_batch_inside_packed_steps(cluster):
+    # Measured on TF 2.21 (tests/parity/record_tf_ps_input.py): two next() per call over
+    # range(10).batch(4).repeat() give each worker [6, 22], [17, 6], [22, 17] in turn.
     _, coordinator = cluster
     iterator = iter(coordinator.create_per_worker_dataset(lambda: Dataset.range(10).batch(4).repeat()))
-    results = [coordinator.schedule(lambda it: keras.ops.sum(next(it)), args=(iterator,)) for _ in range(8)]
-    coordinator.join()  # 8 steps on 2 workers: one of them reaches its 2-row batch
-    assert {int(r.fetch()) for r in results} <= {0 + 1 + 2 + 3, 4 + 5 + 6 + 7, 8 + 9}
+
+    def two(it):
+        return keras.ops.sum(next(it)), keras.ops.sum(next(it))
+
+    results = [coordinator.schedule(two, args=(iterator,)) for _ in range(6)]
+    coordinator.join()
+    pairs = sorted(tuple(int(x) for x in r.fetch()) for r in results)
+    assert pairs in _two_worker_prefixes([(6, 22), (17, 6), (22, 17)], 6)
+
+
+def test_input_context_inside_per_worker_dataset_fn(cluster):
+    # Measured on TF 2.21: distribute_datasets_from_function inside a per_worker_dataset_fn gives
+    # every worker InputContext(num_input_pipelines=1, input_pipeline_id=0, num_replicas_in_sync=1).
+    strategy, coordinator = cluster
+
+    def dataset_fn(ctx):
+        return Dataset.from_tensors(np.array([ctx.num_input_pipelines, ctx.input_pipeline_id,
+                                              ctx.num_replicas_in_sync], np.int32)).repeat()
+
+    iterator = iter(coordinator.create_per_worker_dataset(lambda: strategy.distribute_datasets_from_function(dataset_fn)))
+    results = [coordinator.schedule(lambda it: next(it), args=(iterator,)) for _ in range(6)]
+    coordinator.join()
+    assert {tuple(int(v) for v in r.fetch()) for r in results} == {(1, 0, 1)}
+
+
+def test_strategy_pickles_to_its_worker_stand_in(cluster):
+    import pickle
+
+    from distribute.parameter_server.dataset import WorkerStrategy
+
+    strategy, _ = cluster
+    on_worker = pickle.loads(pickle.dumps(strategy))
+    assert isinstance(on_worker, WorkerStrategy) and on_worker.num_replicas_in_sync == 1
+    dataset = Dataset.range(3)
+    assert on_worker.experimental_distribute_dataset(dataset) is dataset
+    with pytest.raises(AttributeError, match="not available inside a dataset_fn on a worker"):
+        on_worker.run(lambda: None)
+
+
+def test_per_worker_dataset_element_spec_of_a_partial_batch(cluster):
+    # Measured on TF 2.21: TensorSpec(shape=(None,), dtype=tf.int64) for range(10).batch(4).
+    _, coordinator = cluster
+    per_worker = coordinator.create_per_worker_dataset(lambda: Dataset.range(10).batch(4))
+    spec = per_worker.element_spec
+    assert spec == Dataset.range(10).batch(4).element_spec
+    assert spec.shape == (None,) and spec.dtype == np.int64
 
 
 def test_per_worker_dataset_build(cluster):
     _, coordinator = cluster
     per_worker_dataset = coordinator.create_per_worker_dataset(Dataset.from_tensor_slices(np.array([1, 2], np.int32)))
     per_worker_dataset = per_worker_dataset.build()
-    result = coordinator.schedule(lambda dataset: next(iter(dataset)), args=(per_worker_dataset,))
+    results = [coordinator.schedule(lambda dataset: next(iter(dataset)), args=(per_worker_dataset,)) for _ in range(4)]
     coordinator.join()
-    assert result.fetch() == 1
+    assert [int(r.fetch()) for r in results] == [1, 1, 1, 1]  # measured on TF 2.21: a fresh iterator per call
 
 
 # -- ErrorReportingTest (the runtime error is an exhausted iterator: JAX programs have no assert op) ----
