@@ -306,6 +306,10 @@ def test_per_worker_dataset_element_spec_of_a_partial_batch(cluster):
     spec = per_worker.element_spec
     assert spec == Dataset.range(10).batch(4).element_spec
     assert spec.shape == (None,) and spec.dtype == np.int64
+    empty = coordinator.create_per_worker_dataset(lambda: Dataset.range(0).batch(4))
+    assert empty.element_spec == spec  # known without an element, as tf.data's
+    with pytest.raises(ValueError, match="per-worker dataset is empty"):
+        coordinator.schedule(lambda it: next(it), args=(iter(empty),))
 
 
 def test_per_worker_dataset_build(cluster):

@@ -137,8 +137,8 @@ class Worker:
     def create_iterator(self, resource_id: int, dataset_fn: Any) -> Any:
         """Builds this worker's dataset with ``dataset_fn()`` and returns its first element's spec.
 
-        Returns ``(treedef, [(shape, dtype str), ...], element_spec)``, or None for an
-        empty dataset.  A ``dataset_fn`` with ``fresh_iterators`` (``build()``) keeps
+        Returns ``(treedef, [(shape, dtype str), ...], element_spec)``; treedef and
+        shapes are None for an empty dataset.  A ``dataset_fn`` with ``fresh_iterators`` (``build()``) keeps
         the dataset: each run starts a new iterator on it.
         """
         import jax
@@ -154,7 +154,7 @@ class Worker:
         except StopIteration:
             if not fresh:
                 self._iterators[resource_id] = _Iterator(iter(()))
-            return None
+            return None, None, element_specs(dataset, None)
         if not fresh:
             self._iterators[resource_id] = _Iterator(iterator, [first])
         leaves, treedef = jax.tree_util.tree_flatten(first)

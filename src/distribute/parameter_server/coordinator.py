@@ -214,7 +214,11 @@ def _canonical(specs: list) -> list:
 
 def _retrace(step_for: Callable, changed: ElementSpecChanged) -> Any:
     """The step for the element shapes a worker found (a partial batch): per iterator, one spec per element read."""
-    return step_for([(rid, el_treedef, [_canonical(e) for e in elements]) for rid, el_treedef, elements in changed.specs])
+    iter_specs = []
+    for rid, el_treedef, elements in changed.specs:
+        specs = [_canonical(e) for e in elements]
+        iter_specs.append((rid, el_treedef, specs[:1] if all(s == specs[0] for s in specs) else specs))
+    return step_for(iter_specs)  # every element alike: the same signature as schedule's (one cached step)
 
 
 def _function_key(fn: Callable) -> Any:

@@ -177,6 +177,8 @@ def element_specs(dataset: Any, first: Any) -> Any:
     """The public ``element_spec`` of a worker's dataset: the Dataset's own (TensorSpec structure), else its first element's."""
     from distribute.data import _spec
 
+    if first is None and not hasattr(type(dataset), "element_spec"):
+        return None
     if hasattr(type(dataset), "element_spec"):
         try:
             with warnings.catch_warnings():
@@ -224,7 +226,7 @@ class ResourceRemoteValue(RemoteValue):
             self._ref = ref
 
     def _spec(self, timeout: float | None = None) -> Any:
-        """``(treedef, [(shape, dtype), ...], element_spec)`` of the first element, or None (empty).
+        """``(treedef, [(shape, dtype), ...], element_spec)`` of the first element (None, None, spec: empty).
 
         Raises:
             Exception: what the worker's ``dataset_fn`` raised, with its own type.
@@ -260,10 +262,10 @@ class PerWorkerDistributedIterator(PerWorkerValues):
     def __init__(self, values: tuple, resource_id: int):
         super().__init__(values)
         self._resource_id = resource_id
-        self._element_spec: Any = None
+        self._answer: Any = None
 
-    def _spec(self) -> Any:
-        if self._element_spec is None:
+    def _first(self) -> tuple:
+        if self._answer is None:
             errors = []
             for value in self._values:
                 try:
@@ -271,19 +273,27 @@ class PerWorkerDistributedIterator(PerWorkerValues):
                 except Exception as err:  # noqa: BLE001 - try the next worker
                     errors.append(err)
                     continue
-                if spec is None:
-                    raise ValueError("the per-worker dataset is empty; a scheduled function cannot call next() on it.")
-                self._element_spec = spec
+                self._answer = spec
                 break
             else:
                 raise errors[0]
-        return self._element_spec[:2]
+        return self._answer
+
+    def _spec(self) -> Any:
+        """``(treedef, [(shape, dtype), ...])`` of the first element of a worker's dataset.
+
+        Raises:
+            ValueError: the dataset is empty (a scheduled function needs an element's shapes).
+        """
+        treedef, specs, _ = self._first()
+        if treedef is None:
+            raise ValueError("the per-worker dataset is empty; a scheduled function cannot call next() on it.")
+        return treedef, specs
 
     @property
     def element_spec(self) -> Any:
-        """The element structure of the worker's dataset (``TensorSpec`` leaves)."""
-        self._spec()
-        return self._element_spec[2]
+        """The element structure of the worker's dataset (``TensorSpec`` leaves; None when unknown)."""
+        return self._first()[2]
 
     def __next__(self) -> Any:
         raise NotImplementedError("Iterating over an `AsyncDistributedIterator` is not supported right now.")
@@ -329,8 +339,5 @@ class PerWorkerDataset:
         """The type of an element (TF: same name): the dataset's ``element_spec``, a structure of ``TensorSpec``.
 
         Read from a worker's built dataset (built once, on the first call).
-
-        Raises:
-            ValueError: the per-worker dataset is empty.
         """
         return self.build().element_spec
