@@ -155,6 +155,23 @@ def test_datasets_shuffled_differently_from_a_dataset(cluster):
     _assert_shuffled_differently(*_per_worker_sequences(coordinator, iter(coordinator.create_per_worker_dataset(distributed))))
 
 
+def test_datasets_shuffled_differently_from_an_input_fn_closing_over_a_dataset(cluster):
+    # The Dataset built on the coordinator and returned by input_fn on each worker: TF gives each
+    # worker's unseeded shuffle its own seed there too.
+    _, coordinator = cluster
+    dataset = Dataset.range(0, 100).shuffle(100).map(lambda x: (np.int64(os.getpid()), x)).batch(1)
+    _assert_shuffled_differently(*_per_worker_sequences(coordinator, iter(coordinator.create_per_worker_dataset(lambda: dataset))))
+
+
+def test_a_seeded_shuffle_is_the_same_on_every_worker(cluster):
+    # shuffle(seed=...) keeps its order everywhere (tf.data: a fixed seed gives a fixed order).
+    _, coordinator = cluster
+    dataset = Dataset.range(0, 100).shuffle(100, seed=7).map(lambda x: (np.int64(os.getpid()), x)).batch(1)
+    a, b = _per_worker_sequences(coordinator, iter(coordinator.create_per_worker_dataset(dataset)))
+    want = [int(x[0]) for _, x in Dataset.range(0, 100).shuffle(100, seed=7).map(lambda x: (0, x)).batch(1)]
+    assert a == want[: len(a)] and b == want[: len(b)]
+
+
 def test_disallow_remote_value_as_input(cluster):
     _, coordinator = cluster
     remote_v = coordinator.schedule(lambda: np.float32(1.0))

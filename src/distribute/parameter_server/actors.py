@@ -137,8 +137,7 @@ class Worker:
     def create_iterator(self, resource_id: int, dataset_fn: Any) -> Any:
         """Builds this worker's dataset with ``dataset_fn()`` and returns its first element's spec.
 
-        Returns ``(treedef, [(shape, dtype str), ...], element_spec)``; treedef and
-        shapes are None for an empty dataset.  A ``dataset_fn`` with ``fresh_iterators`` (``build()``) keeps
+        Returns ``(treedef, [(shape, dtype str), ...])``, or None for an empty dataset.  A ``dataset_fn`` with ``fresh_iterators`` (``build()``) keeps
         the dataset: each run starts a new iterator on it.
         """
         import jax
@@ -154,11 +153,15 @@ class Worker:
         except StopIteration:
             if not fresh:
                 self._iterators[resource_id] = _Iterator(iter(()))
-            return None, None, element_specs(dataset, None)
+            return None
         if not fresh:
             self._iterators[resource_id] = _Iterator(iterator, [first])
         leaves, treedef = jax.tree_util.tree_flatten(first)
-        return treedef, [(tuple(np.shape(x)), np.asarray(x).dtype.str) for x in leaves], element_specs(dataset, first)
+        return treedef, [(tuple(np.shape(x)), np.asarray(x).dtype.str) for x in leaves]
+
+    def element_spec(self, resource_id: int) -> Any:
+        """The ``element_spec`` of a built dataset (``PerWorkerDataset.build()``): the Dataset's, else its first element's."""
+        return element_specs(self._datasets[resource_id])
 
     def run(self, closure_id: int, plan: Any, box: list, args: list) -> list:
         """Pulls the variables ``plan`` reads, runs the step program, pushes its updates.

@@ -170,15 +170,17 @@ class _PipelineFn:
             return self._call()
 
     def _call(self) -> Any:
-        return self._fn(_input_context()) if self._with_context else self._fn()
+        # A Dataset the function closes over was pickled with the coordinator's seeds: draw this worker's.
+        return _fresh_seeds(self._fn(_input_context()) if self._with_context else self._fn())
 
 
-def element_specs(dataset: Any, first: Any) -> Any:
-    """The public ``element_spec`` of a worker's dataset: the Dataset's own (TensorSpec structure), else its first element's."""
+def element_specs(dataset: Any) -> Any:
+    """The public ``element_spec`` of a worker's dataset: the Dataset's own (TensorSpec structure), else its first element's.
+
+    None for an empty dataset that has no ``element_spec`` of its own.
+    """
     from distribute.data import _spec
 
-    if first is None and not hasattr(type(dataset), "element_spec"):
-        return None
     if hasattr(type(dataset), "element_spec"):
         try:
             with warnings.catch_warnings():
@@ -187,7 +189,9 @@ def element_specs(dataset: Any, first: Any) -> Any:
         except Exception:  # noqa: BLE001 - fall back to the element itself
             pass
     try:
-        return _spec.spec_of_element(first)
+        return _spec.spec_of_element(next(iter(dataset)))
+    except StopIteration:
+        return None
     except Exception:  # noqa: BLE001 - a leaf without a spec (a Python object)
         return None
 
@@ -226,7 +230,7 @@ class ResourceRemoteValue(RemoteValue):
             self._ref = ref
 
     def _spec(self, timeout: float | None = None) -> Any:
-        """``(treedef, [(shape, dtype), ...], element_spec)`` of the first element (None, None, spec: empty).
+        """``(treedef, [(shape, dtype), ...])`` of the first element, or None (an empty dataset).
 
         Raises:
             Exception: what the worker's ``dataset_fn`` raised, with its own type.
@@ -264,7 +268,12 @@ class PerWorkerDistributedIterator(PerWorkerValues):
         self._resource_id = resource_id
         self._answer: Any = None
 
-    def _first(self) -> tuple:
+    def _spec(self) -> Any:
+        """``(treedef, [(shape, dtype), ...])`` of the first element of a worker's dataset.
+
+        Raises:
+            ValueError: the dataset is empty (a scheduled function needs an element's shapes).
+        """
         if self._answer is None:
             errors = []
             for value in self._values:
@@ -273,27 +282,13 @@ class PerWorkerDistributedIterator(PerWorkerValues):
                 except Exception as err:  # noqa: BLE001 - try the next worker
                     errors.append(err)
                     continue
+                if spec is None:
+                    raise ValueError("the per-worker dataset is empty; a scheduled function cannot call next() on it.")
                 self._answer = spec
                 break
             else:
                 raise errors[0]
         return self._answer
-
-    def _spec(self) -> Any:
-        """``(treedef, [(shape, dtype), ...])`` of the first element of a worker's dataset.
-
-        Raises:
-            ValueError: the dataset is empty (a scheduled function needs an element's shapes).
-        """
-        treedef, specs, _ = self._first()
-        if treedef is None:
-            raise ValueError("the per-worker dataset is empty; a scheduled function cannot call next() on it.")
-        return treedef, specs
-
-    @property
-    def element_spec(self) -> Any:
-        """The element structure of the worker's dataset (``TensorSpec`` leaves; None when unknown)."""
-        return self._first()[2]
 
     def __next__(self) -> Any:
         raise NotImplementedError("Iterating over an `AsyncDistributedIterator` is not supported right now.")
@@ -338,6 +333,17 @@ class PerWorkerDataset:
     def element_spec(self) -> Any:
         """The type of an element (TF: same name): the dataset's ``element_spec``, a structure of ``TensorSpec``.
 
-        Read from a worker's built dataset (built once, on the first call).
+        Read from a worker's built dataset (built once, on the first call); None for an
+        empty dataset without an ``element_spec`` of its own.
         """
-        return self.build().element_spec
+        import ray
+
+        built = self.build()
+        errors = []
+        for thread, value in zip(self._coordinator._threads, built._values):
+            try:
+                value._spec(timeout=600)  # built there, or what its dataset_fn raised
+                return ray.get(thread.actor.element_spec.remote(built._resource_id), timeout=600)
+            except Exception as err:  # noqa: BLE001 - try the next worker
+                errors.append(err)
+        raise errors[0]
