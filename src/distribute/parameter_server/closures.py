@@ -186,7 +186,6 @@ class WorkerThread:
                 self._queue._cond.notify_all()
 
     def _process(self, closure: Closure) -> None:
-
         try:
             outs = self._run(closure)
         except Exception as error:  # noqa: BLE001 - classified below
@@ -212,7 +211,7 @@ class WorkerThread:
     def _run(self, closure: Closure) -> list:
         """Runs ``closure`` on this worker; elements of a new shape get their program first (TF retraces).
 
-        The worker reads a closure's elements before it pulls or pushes anything; when
+        The worker reads a closure's elements before it runs or pushes anything; when
         their shapes are not the program's it puts them back and answers
         ``ElementSpecChanged``, and the closure runs again with the program traced
         for those shapes: no element is skipped or read twice, no update applied.
