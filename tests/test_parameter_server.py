@@ -386,3 +386,25 @@ def test_a_worker_puts_back_the_elements_of_a_run_that_needs_another_program():
     assert [x.tolist() for x in answer] == [[8, 9], [0, 1, 2, 3]]
     with pytest.raises(OutOfRangeError):
         worker._elements(SimpleNamespace(iterators=((5, 1, (full,)),)))
+
+
+def test_a_worker_runs_the_program_it_already_has_for_a_partial_batch():
+    # After the coordinator sent it the partial batch's program once, a worker switches to it by itself.
+    from types import SimpleNamespace
+
+    from distribute.parameter_server.actors import Worker, _Iterator
+    from distribute.parameter_server.dataset import ElementSpecChanged
+
+    worker = Worker(0, [])
+    worker._iterators[3] = _Iterator(iter([np.arange(4), np.arange(2), np.arange(4), np.arange(2)]))
+    full = SimpleNamespace(family=9, iterators=((3, 1, ([((4,), "<i8")],)),))
+    short = SimpleNamespace(family=9, iterators=((3, 1, ([((2,), "<i8")],)),))
+    other = SimpleNamespace(family=8, iterators=full.iterators)
+    assert worker._plan_for_elements(full, ["full"])[1] == ["full"]
+    assert isinstance(worker._plan_for_elements(full, ["full"])[2], ElementSpecChanged)  # [0, 1]: new to it
+    plan, box, leaves = worker._plan_for_elements(short, ["short"])  # the coordinator's program for (2,)
+    assert box == ["short"] and [x.tolist() for x in leaves] == [[0, 1]]
+    assert worker._plan_for_elements(full, ["full"])[1] == ["full"]  # [0, 1, 2, 3]
+    assert isinstance(worker._plan_for_elements(other, ["other"])[2], ElementSpecChanged)  # another family
+    plan, box, leaves = worker._plan_for_elements(full, ["full"])  # its family has a (2,) program
+    assert plan is short and box == ["short"] and [x.tolist() for x in leaves] == [[0, 1]]

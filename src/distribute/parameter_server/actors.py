@@ -106,6 +106,15 @@ class ParameterServer:
         self._num_updates += 1
 
 
+def _plan_signature(plan: Any) -> tuple:
+    return tuple((rid, tuple(tuple(tuple(shape) for shape, _ in element) for element in specs)) for rid, _, specs in plan.iterators)
+
+
+def _changed_signature(changed: ElementSpecChanged) -> tuple:
+    return tuple((rid, tuple(tuple(tuple(shape) for shape, _ in element) for element in elements))
+                 for rid, _, elements in changed.specs)
+
+
 class _Iterator:
     """A worker's dataset iterator; elements a run put back come first, in their order."""
 
@@ -130,6 +139,7 @@ class Worker:
         self._programs: dict[int, Any] = {}
         self._iterators: dict[int, Any] = {}
         self._datasets: dict[int, Any] = {}  # built per-worker datasets: a fresh iterator per run
+        self._variants: dict[tuple, tuple] = {}  # (plan family, element shapes) -> (plan, box) run before
 
     def ping(self) -> int:
         return self._index
@@ -173,17 +183,30 @@ class Worker:
         """
         import ray
 
+        plan, box, iter_vals = self._plan_for_elements(plan, box)
+        if isinstance(iter_vals, ElementSpecChanged):
+            return iter_vals  # nothing pulled or pushed: the coordinator sends the program of this signature
         program = _load(self._programs, plan.program_id, box)
         pulls = {j: self._ps[j].read.remote(keys) for j, keys in plan.pull.items() if keys}
         pulled = {j: dict(zip(plan.pull[j], vals)) for j, vals in zip(pulls, ray.get(list(pulls.values())))}
         read_vals = [_rows([pulled[j][k] for j, k in keys]) for keys in plan.read]
-        iter_vals = self._elements(plan)
-        if isinstance(iter_vals, ElementSpecChanged):
-            return iter_vals  # nothing pushed: the coordinator sends the program of this signature
         outs = program.call(read_vals, iter_vals, list(args))
         outs = [np.asarray(x) for x in outs]
         self._push(closure_id, plan, outs, pulled)
         return outs[: plan.num_results]
+
+    def _plan_for_elements(self, plan: Any, box: list) -> tuple:
+        """``(plan, box, element leaves)``: ``plan``, or the plan of its family that this worker ran before for the
+        shapes of the next elements (no round trip to the coordinator); ElementSpecChanged for a new signature."""
+        if plan.family >= 0:
+            self._variants[(plan.family, _plan_signature(plan))] = (plan, box)
+        found = self._elements(plan)
+        if isinstance(found, ElementSpecChanged) and plan.family >= 0:
+            variant = self._variants.get((plan.family, _changed_signature(found)))
+            if variant is not None:
+                plan, box = variant
+                found = self._elements(plan)  # the elements put back, in their order
+        return plan, box, found
 
     def _elements(self, plan: Any) -> list | ElementSpecChanged:
         """The leaves of the elements ``plan`` reads, or (all put back) the signature they need.

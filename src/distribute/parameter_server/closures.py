@@ -211,10 +211,11 @@ class WorkerThread:
     def _run(self, closure: Closure) -> list:
         """Runs ``closure`` on this worker; elements of a new shape get their program first (TF retraces).
 
-        The worker reads a closure's elements before it runs or pushes anything; when
-        their shapes are not the program's it puts them back and answers
-        ``ElementSpecChanged``, and the closure runs again with the program traced
-        for those shapes: no element is skipped or read twice, no update applied.
+        The worker reads a closure's elements before it pulls, runs or pushes anything;
+        when their shapes are not the program's, and it has not run the program of
+        their shapes before, it puts them back and answers ``ElementSpecChanged``; the
+        closure runs again with the program traced (once, cached) for those shapes: no
+        element is skipped or read twice, no update applied twice.
         """
         import ray
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import threading
 from collections.abc import Callable
@@ -60,6 +61,7 @@ class ClusterCoordinator:
         self._refreshed_at = 0
         self._threads = [WorkerThread(i, self._cluster, self._queue) for i in range(len(self._cluster.workers))]
         self._steps: dict = {}
+        self._families: dict = {}  # (function key, result treedef) -> the family id of its programs
         self._trace_lock = threading.RLock()  # schedule and the dispatch threads' re-traces share self._steps
         strategy._cluster_coordinator = self
         strategy.extended._used_with_coordinator = True
@@ -149,6 +151,8 @@ class ClusterCoordinator:
             step = self._steps.get((key, signature))
             if step is None:
                 step = program.trace_step(self._strategy, fn, treedef, kinds, statics, avals, iter_specs, datasets)
+                family = self._families.setdefault((key, step.out_tree), len(self._families))
+                step.plan = dataclasses.replace(step.plan, family=family)
                 self._steps[(key, signature)] = step
         return step
 

@@ -60,6 +60,9 @@ class StepPlan:
     applies: tuple  # (ps, program_id, box, owned keys, written keys, foreign (ps, key)s or output position, grad slices)
     deltas: tuple  # (output position, ((ps, key, start, stop), ...))
     sets: tuple
+    # The programs of one function and result structure, one per element signature, share a family:
+    # a worker that met another signature before runs that program itself (ClusterCoordinator sets it).
+    family: int = -1
 
 
 @dataclasses.dataclass
