@@ -361,3 +361,50 @@ def test_cluster_resolver_validation_is_tfs(ray_instance):
         distribute.ParameterServerStrategy(SimpleClusterResolver(ClusterSpec({"worker": ["h:1"], "chief": ["h:0"]})))
     with pytest.raises(ValueError, match="There must be at least one worker."):
         distribute.ParameterServerStrategy(SimpleClusterResolver(ClusterSpec({"ps": ["h:1"], "chief": ["h:0"]})))
+
+
+def test_a_worker_puts_back_the_elements_of_a_run_that_needs_another_program():
+    # A program per element shape: elements of a shape the plan was not traced for go back to their
+    # iterators, in order, and the worker answers with their signature; the run with the program of
+    # that signature reads the same elements (none skipped or read twice), whichever plan came first.
+    from types import SimpleNamespace
+
+    from distribute.parameter_server.actors import Worker, _Iterator
+    from distribute.parameter_server.dataset import ElementSpecChanged
+
+    worker = Worker(0, [])
+    batches = [np.arange(4), np.arange(4, 8), np.arange(8, 10), np.arange(4)]
+    worker._iterators[5] = _Iterator(iter(batches))
+    full, short = [((4,), "<i8")], [((2,), "<i8")]
+    answer = worker._elements(SimpleNamespace(iterators=((5, 2, (full, full)),)))
+    assert [x.tolist() for x in answer] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    answer = worker._elements(SimpleNamespace(iterators=((5, 2, (full, full)),)))  # [8, 9] then [0..3]
+    assert isinstance(answer, ElementSpecChanged)
+    ((rid, _, seen),) = answer.specs
+    assert rid == 5 and [[shape for shape, _ in e] for e in seen] == [[(2,)], [(4,)]]
+    answer = worker._elements(SimpleNamespace(iterators=((5, 2, (short, full)),)))  # the re-traced plan
+    assert [x.tolist() for x in answer] == [[8, 9], [0, 1, 2, 3]]
+    with pytest.raises(OutOfRangeError):
+        worker._elements(SimpleNamespace(iterators=((5, 1, (full,)),)))
+
+
+def test_a_worker_runs_the_program_it_already_has_for_a_partial_batch():
+    # After the coordinator sent it the partial batch's program once, a worker switches to it by itself.
+    from types import SimpleNamespace
+
+    from distribute.parameter_server.actors import Worker, _Iterator
+    from distribute.parameter_server.dataset import ElementSpecChanged
+
+    worker = Worker(0, [])
+    worker._iterators[3] = _Iterator(iter([np.arange(4), np.arange(2), np.arange(4), np.arange(2)]))
+    full = SimpleNamespace(family=9, iterators=((3, 1, ([((4,), "<i8")],)),))
+    short = SimpleNamespace(family=9, iterators=((3, 1, ([((2,), "<i8")],)),))
+    other = SimpleNamespace(family=8, iterators=full.iterators)
+    assert worker._plan_for_elements(full, ["full"])[1] == ["full"]
+    assert isinstance(worker._plan_for_elements(full, ["full"])[2], ElementSpecChanged)  # [0, 1]: new to it
+    plan, box, leaves = worker._plan_for_elements(short, ["short"])  # the coordinator's program for (2,)
+    assert box == ["short"] and [x.tolist() for x in leaves] == [[0, 1]]
+    assert worker._plan_for_elements(full, ["full"])[1] == ["full"]  # [0, 1, 2, 3]
+    assert isinstance(worker._plan_for_elements(other, ["other"])[2], ElementSpecChanged)  # another family
+    plan, box, leaves = worker._plan_for_elements(full, ["full"])  # its family has a (2,) program
+    assert plan is short and box == ["short"] and [x.tolist() for x in leaves] == [[0, 1]]

@@ -105,8 +105,6 @@ def test_input_function_with_map(cluster, use_input_fn):
     assert result.fetch() == 10  # TF: (10,); its tracing count (1) has no meaning here: map runs on the workers
 
 
-@pytest.mark.xfail(strict=True, reason="create_per_worker_dataset(input_fn) where input_fn creates a variable is "
-                   "accepted (TF testInputFunctionCreateVariables: ValueError)")
 def test_input_function_create_variables(cluster):
     _, coordinator = cluster
 
@@ -114,7 +112,7 @@ def test_input_function_create_variables(cluster):
         v = keras.Variable(0.0)
         return Dataset.from_tensors(np.float32(v.numpy()))
 
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"^Creating variables in `dataset_fn` is not allowed\.$"):
         per_worker = coordinator.create_per_worker_dataset(input_fn)
         coordinator.schedule(lambda iterator: next(iterator), args=(iter(per_worker),)).fetch()
 
@@ -150,14 +148,28 @@ def test_datasets_shuffled_differently_from_an_input_fn(cluster):
     _assert_shuffled_differently(*_per_worker_sequences(coordinator, iter(coordinator.create_per_worker_dataset(input_fn))))
 
 
-@pytest.mark.xfail(strict=True, reason="a Dataset object (not a function) given to create_per_worker_dataset "
-                   "gives every worker the same shuffle order (TF testDatasetsShuffledDifferently(use_input_fn=False): "
-                   "shuffled differently)")
 def test_datasets_shuffled_differently_from_a_dataset(cluster):
     strategy, coordinator = cluster
     dataset = Dataset.range(0, 100).shuffle(100).map(lambda x: (np.int64(os.getpid()), x)).batch(1)
     distributed = strategy.experimental_distribute_dataset(dataset)
     _assert_shuffled_differently(*_per_worker_sequences(coordinator, iter(coordinator.create_per_worker_dataset(distributed))))
+
+
+def test_datasets_shuffled_differently_from_an_input_fn_closing_over_a_dataset(cluster):
+    # The Dataset built on the coordinator and returned by input_fn on each worker: TF gives each
+    # worker's unseeded shuffle its own seed there too.
+    _, coordinator = cluster
+    dataset = Dataset.range(0, 100).shuffle(100).map(lambda x: (np.int64(os.getpid()), x)).batch(1)
+    _assert_shuffled_differently(*_per_worker_sequences(coordinator, iter(coordinator.create_per_worker_dataset(lambda: dataset))))
+
+
+def test_a_seeded_shuffle_is_the_same_on_every_worker(cluster):
+    # shuffle(seed=...) keeps its order everywhere (tf.data: a fixed seed gives a fixed order).
+    _, coordinator = cluster
+    dataset = Dataset.range(0, 100).shuffle(100, seed=7).map(lambda x: (np.int64(os.getpid()), x)).batch(1)
+    a, b = _per_worker_sequences(coordinator, iter(coordinator.create_per_worker_dataset(dataset)))
+    want = [int(x[0]) for _, x in Dataset.range(0, 100).shuffle(100, seed=7).map(lambda x: (0, x)).batch(1)]
+    assert a == want[: len(a)] and b == want[: len(b)]
 
 
 def test_disallow_remote_value_as_input(cluster):
@@ -233,26 +245,97 @@ def test_worker_index_dataset_fn_iterating_to_the_end(cluster):
     coordinator.join()
 
 
-@pytest.mark.xfail(strict=True, raises=ValueError, reason="a per-worker dataset whose last batch is smaller "
-                   "(range(10).batch(4).repeat(): 4, 4, 2 rows) fails at the 2-row batch: the scheduled function was "
-                   "traced for (4,) only; TF 2.21 runs it (measured sums 6, 22, 17 in turn on each worker)")
+def _two_worker_prefixes(cycle, num_calls):
+    """Every multiset two workers can give when each reads ``cycle`` over and over from the start."""
+    def prefix(n):
+        return [cycle[k % len(cycle)] for k in range(n)]
+    return [sorted(prefix(n) + prefix(num_calls - n)) for n in range(num_calls + 1)]
+
+
 def test_partial_batches_in_a_repeated_dataset(cluster):
+    # TF 2.21 runs it (each worker's sums are 6, 22, 17 in turn): a program per element shape.
+    strategy, coordinator = cluster
+    with strategy.scope():
+        total = keras.Variable(0, dtype="int32")
+
+    def step(it):
+        batch_sum = keras.ops.sum(next(it))
+        total.assign_add(batch_sum)
+        return batch_sum
+
+    iterator = iter(coordinator.create_per_worker_dataset(lambda: Dataset.range(10).batch(4).repeat()))
+    results = [coordinator.schedule(step, args=(iterator,)) for _ in range(8)]
+    coordinator.join()  # 8 steps on 2 workers: one of them reaches its 2-row batch
+    sums = sorted(int(r.fetch()) for r in results)
+    assert sums in _two_worker_prefixes([0 + 1 + 2 + 3, 4 + 5 + 6 + 7, 8 + 9], 8)  # no batch skipped or read twice
+    assert 17 in sums
+    assert int(total.numpy()) == sum(sums)  # each step's update applied once
+
+
+def test_partial_batch_inside_packed_steps(cluster):
+    # Measured on TF 2.21 (tests/parity/record_tf_ps_input.py): two next() per call over
+    # range(10).batch(4).repeat() give each worker [6, 22], [17, 6], [22, 17] in turn.
     _, coordinator = cluster
     iterator = iter(coordinator.create_per_worker_dataset(lambda: Dataset.range(10).batch(4).repeat()))
-    results = [coordinator.schedule(lambda it: keras.ops.sum(next(it)), args=(iterator,)) for _ in range(8)]
-    coordinator.join()  # 8 steps on 2 workers: one of them reaches its 2-row batch
-    assert {int(r.fetch()) for r in results} <= {0 + 1 + 2 + 3, 4 + 5 + 6 + 7, 8 + 9}
+
+    def two(it):
+        return keras.ops.sum(next(it)), keras.ops.sum(next(it))
+
+    results = [coordinator.schedule(two, args=(iterator,)) for _ in range(6)]
+    coordinator.join()
+    pairs = sorted(tuple(int(x) for x in r.fetch()) for r in results)
+    assert pairs in _two_worker_prefixes([(6, 22), (17, 6), (22, 17)], 6)
 
 
-@pytest.mark.xfail(strict=True, raises=AttributeError, reason="PerWorkerDataset.build() is missing "
-                   "(TF testPerWorkerDatasetBuild: a per-worker dataset passed to a scheduled function)")
+def test_input_context_inside_per_worker_dataset_fn(cluster):
+    # Measured on TF 2.21: distribute_datasets_from_function inside a per_worker_dataset_fn gives
+    # every worker InputContext(num_input_pipelines=1, input_pipeline_id=0, num_replicas_in_sync=1).
+    strategy, coordinator = cluster
+
+    def dataset_fn(ctx):
+        return Dataset.from_tensors(np.array([ctx.num_input_pipelines, ctx.input_pipeline_id,
+                                              ctx.num_replicas_in_sync], np.int32)).repeat()
+
+    iterator = iter(coordinator.create_per_worker_dataset(lambda: strategy.distribute_datasets_from_function(dataset_fn)))
+    results = [coordinator.schedule(lambda it: next(it), args=(iterator,)) for _ in range(6)]
+    coordinator.join()
+    assert {tuple(int(v) for v in r.fetch()) for r in results} == {(1, 0, 1)}
+
+
+def test_strategy_pickles_to_its_worker_stand_in(cluster):
+    import pickle
+
+    from distribute.parameter_server.dataset import WorkerStrategy
+
+    strategy, _ = cluster
+    on_worker = pickle.loads(pickle.dumps(strategy))
+    assert isinstance(on_worker, WorkerStrategy) and on_worker.num_replicas_in_sync == 1
+    dataset = Dataset.range(3)
+    assert on_worker.experimental_distribute_dataset(dataset) is dataset
+    with pytest.raises(AttributeError, match="not available inside a dataset_fn on a worker"):
+        on_worker.run(lambda: None)
+
+
+def test_per_worker_dataset_element_spec_of_a_partial_batch(cluster):
+    # Measured on TF 2.21: TensorSpec(shape=(None,), dtype=tf.int64) for range(10).batch(4).
+    _, coordinator = cluster
+    per_worker = coordinator.create_per_worker_dataset(lambda: Dataset.range(10).batch(4))
+    spec = per_worker.element_spec
+    assert spec == Dataset.range(10).batch(4).element_spec
+    assert spec.shape == (None,) and spec.dtype == np.int64
+    empty = coordinator.create_per_worker_dataset(lambda: Dataset.range(0).batch(4))
+    assert empty.element_spec == spec  # known without an element, as tf.data's
+    with pytest.raises(ValueError, match="per-worker dataset is empty"):
+        coordinator.schedule(lambda it: next(it), args=(iter(empty),))
+
+
 def test_per_worker_dataset_build(cluster):
     _, coordinator = cluster
     per_worker_dataset = coordinator.create_per_worker_dataset(Dataset.from_tensor_slices(np.array([1, 2], np.int32)))
     per_worker_dataset = per_worker_dataset.build()
-    result = coordinator.schedule(lambda dataset: next(iter(dataset)), args=(per_worker_dataset,))
+    results = [coordinator.schedule(lambda dataset: next(iter(dataset)), args=(per_worker_dataset,)) for _ in range(4)]
     coordinator.join()
-    assert result.fetch() == 1
+    assert [int(r.fetch()) for r in results] == [1, 1, 1, 1]  # measured on TF 2.21: a fresh iterator per call
 
 
 # -- ErrorReportingTest (the runtime error is an exhausted iterator: JAX programs have no assert op) ----
@@ -435,10 +518,6 @@ def test_pass_distributed_dataset_to_create_per_worker_dataset(cluster, from_fun
     np.testing.assert_array_equal(result[0], expected_result[0])
 
 
-@pytest.mark.xfail(strict=True, reason="a per_worker_dataset_fn calling strategy.distribute_datasets_from_function / "
-                   "experimental_distribute_dataset closes over the strategy, which cannot be pickled to the workers "
-                   "(TF testDistributedDatasetInsidePerWorkerDatasetFn, testDistributeDatasetsFromFunction, "
-                   "testAsyncScheduleWithDistributedDataset, testInputFunctionWithMapWithDistributedDataset)")
 @pytest.mark.parametrize("from_function", [True, False])
 def test_distributed_dataset_inside_per_worker_dataset_fn(cluster, from_function):
     strategy, coordinator = cluster
@@ -499,8 +578,6 @@ def test_async_schedule_with_distributed_dataset(cluster):
     np.testing.assert_array_equal(strategy.experimental_local_results(v.numpy()), [[20]])
 
 
-@pytest.mark.xfail(strict=True, reason="PerWorkerDataset.element_spec is a private (treedef, [(shape, dtype)]) "
-                   "tuple; TF gives the dataset's TensorSpec (testPerWorkerDistributeDatasetsElementSpec)")
 def test_per_worker_distribute_datasets_element_spec(cluster):
     strategy, coordinator = cluster
     dataset = Dataset.from_tensor_slices(np.array([1, 2], np.int32))

@@ -109,6 +109,27 @@ def test_worker_killed_mid_training_every_step_takes_effect(cluster, ray_instanc
     assert float(iterations.numpy()) == before + 20
 
 
+def test_worker_killed_while_partial_batches_retrace(cluster, ray_instance):
+    # A program per element shape under failures: a closure re-queued onto the other worker runs with the
+    # program of the shape that worker's next element has (re-traced or cached); every step applies once.
+    strategy, coordinator, iterations, _, _, _ = cluster
+    batches = iter(coordinator.create_per_worker_dataset(lambda: Dataset.range(10).batch(4).repeat()))
+
+    def step(it):
+        iterations.assign_add(1.0)
+        return keras.ops.sum(next(it))
+
+    start = float(iterations.numpy())
+    results = [coordinator.schedule(step, args=(batches,)) for _ in range(60)]
+    results[5].fetch()
+    ray_instance.kill(strategy.extended._cluster.workers[0], no_restart=False)
+    _join_within(coordinator)
+    assert float(iterations.numpy()) - start == 60
+    sums = [int(r.fetch()) for r in results]
+    assert set(sums) <= {6, 22, 17} and 17 in sums
+    assert sums.count(6) >= sums.count(22) >= sums.count(17)  # each worker's sums cycle 6, 22, 17 from the start
+
+
 def test_ps_failure_is_raised_by_join_and_cancels(cluster, ray_instance):
     # TF testJoinRaisesUnavailableErrorAtPsFailure / testScheduleRaises...: kill ps 0; the next join
     # raises within seconds an UnavailableError naming the ps; queued closures are cancelled.

@@ -21,11 +21,11 @@ variables and once to others.
 from __future__ import annotations
 
 import collections
-import itertools
 from typing import Any
 
 import numpy as np
 
+from distribute.parameter_server.dataset import ElementSpecChanged, element_specs
 from distribute.parameter_server.errors import OutOfRangeError
 from distribute.parameter_server.worker_context import worker_index_scope
 
@@ -106,6 +106,30 @@ class ParameterServer:
         self._num_updates += 1
 
 
+def _plan_signature(plan: Any) -> tuple:
+    return tuple((rid, tuple(tuple(tuple(shape) for shape, _ in element) for element in specs)) for rid, _, specs in plan.iterators)
+
+
+def _changed_signature(changed: ElementSpecChanged) -> tuple:
+    return tuple((rid, tuple(tuple(tuple(shape) for shape, _ in element) for element in elements))
+                 for rid, _, elements in changed.specs)
+
+
+class _Iterator:
+    """A worker's dataset iterator; elements a run put back come first, in their order."""
+
+    def __init__(self, iterator: Any, first: list | tuple = ()) -> None:
+        self._iterator, self._pending = iterator, collections.deque(first)
+
+    def __next__(self) -> Any:
+        if self._pending:
+            return self._pending.popleft()
+        return next(self._iterator)
+
+    def put_back(self, elements: list) -> None:
+        self._pending.extendleft(reversed(elements))
+
+
 class Worker:
     """One worker task (``/job:worker/replica:0/task:<i>``): runs scheduled steps."""
 
@@ -114,25 +138,40 @@ class Worker:
         self._ps = list(ps_handles)
         self._programs: dict[int, Any] = {}
         self._iterators: dict[int, Any] = {}
+        self._datasets: dict[int, Any] = {}  # built per-worker datasets: a fresh iterator per run
+        self._variants: dict[tuple, tuple] = {}  # (plan family, element shapes) -> (plan, box) run before
 
     def ping(self) -> int:
         return self._index
 
     def create_iterator(self, resource_id: int, dataset_fn: Any) -> Any:
-        """Builds this worker's dataset with ``dataset_fn()`` and returns its element spec."""
+        """Builds this worker's dataset with ``dataset_fn()`` and returns its first element's spec.
+
+        Returns ``(treedef, [(shape, dtype str), ...])``, or None for an empty dataset.  A ``dataset_fn`` with ``fresh_iterators`` (``build()``) keeps
+        the dataset: each run starts a new iterator on it.
+        """
         import jax
 
         with worker_index_scope(self._index):
             dataset = dataset_fn()
         iterator = iter(dataset)
+        fresh = getattr(dataset_fn, "fresh_iterators", False)
+        if fresh:
+            self._datasets[resource_id] = dataset
         try:
             first = next(iterator)
         except StopIteration:
-            self._iterators[resource_id] = iter(())
+            if not fresh:
+                self._iterators[resource_id] = _Iterator(iter(()))
             return None
-        self._iterators[resource_id] = itertools.chain([first], iterator)
+        if not fresh:
+            self._iterators[resource_id] = _Iterator(iterator, [first])
         leaves, treedef = jax.tree_util.tree_flatten(first)
         return treedef, [(tuple(np.shape(x)), np.asarray(x).dtype.str) for x in leaves]
+
+    def element_spec(self, resource_id: int) -> Any:
+        """The ``element_spec`` of a built dataset (``PerWorkerDataset.build()``): the Dataset's, else its first element's."""
+        return element_specs(self._datasets[resource_id])
 
     def run(self, closure_id: int, plan: Any, box: list, args: list) -> list:
         """Pulls the variables ``plan`` reads, runs the step program, pushes its updates.
@@ -142,40 +181,78 @@ class Worker:
 
         Returns the program's results as numpy arrays (copied to the coordinator).
         """
-        import jax
         import ray
 
+        plan, box, iter_vals = self._plan_for_elements(plan, box)
+        if isinstance(iter_vals, ElementSpecChanged):
+            return iter_vals  # nothing pulled or pushed: the coordinator sends the program of this signature
         program = _load(self._programs, plan.program_id, box)
         pulls = {j: self._ps[j].read.remote(keys) for j, keys in plan.pull.items() if keys}
         pulled = {j: dict(zip(plan.pull[j], vals)) for j, vals in zip(pulls, ray.get(list(pulls.values())))}
         read_vals = [_rows([pulled[j][k] for j, k in keys]) for keys in plan.read]
-        iter_vals = []
-        for resource_id, count, specs in plan.iterators:
+        outs = program.call(read_vals, iter_vals, list(args))
+        outs = [np.asarray(x) for x in outs]
+        self._push(closure_id, plan, outs, pulled)
+        return outs[: plan.num_results]
+
+    def _plan_for_elements(self, plan: Any, box: list) -> tuple:
+        """``(plan, box, element leaves)``: ``plan``, or the plan of its family that this worker ran before for the
+        shapes of the next elements (no round trip to the coordinator); ElementSpecChanged for a new signature."""
+        if plan.family >= 0:
+            self._variants[(plan.family, _plan_signature(plan))] = (plan, box)
+        found = self._elements(plan)
+        if isinstance(found, ElementSpecChanged) and plan.family >= 0:
+            variant = self._variants.get((plan.family, _changed_signature(found)))
+            if variant is not None:
+                plan, box = variant
+                found = self._elements(plan)  # the elements put back, in their order
+        return plan, box, found
+
+    def _elements(self, plan: Any) -> list | ElementSpecChanged:
+        """The leaves of the elements ``plan`` reads, or (all put back) the signature they need.
+
+        Every element of the call is read first; if one's shapes are not those the
+        program was traced for (a partial batch), all of them go back to their
+        iterators, in order, and the new signature is returned: the same elements
+        are read again by the run with the program traced for it (TF retraces).
+
+        Raises:
+            OutOfRangeError: an iterator is exhausted (TF's OutOfRangeError).
+        """
+        import jax
+
+        read = []
+        for resource_id, count, _ in plan.iterators:
             iterator = self._iterators.get(resource_id)
+            if iterator is None and resource_id in self._datasets:
+                iterator = _Iterator(iter(self._datasets[resource_id]))
             if iterator is None:
                 raise RuntimeError(f"worker {self._index} has no iterator {resource_id}; create it with create_per_worker_dataset.")
+            elements = []
             for _ in range(count):
                 try:
-                    element = next(iterator)
+                    elements.append(next(iterator))
                 except StopIteration:
                     raise OutOfRangeError(
                         f"End of sequence: the dataset of worker {self._index} is exhausted. Schedule a fixed number "
                         "of steps over an infinite dataset (dataset.repeat()), as TF recommends."
                     ) from None
-                leaves = jax.tree_util.tree_leaves(element)
-                for leaf, (shape, dtype) in zip(leaves, specs):
-                    leaf = np.asarray(leaf)
-                    if leaf.shape != tuple(shape):
-                        raise ValueError(
-                            f"worker {self._index}: a dataset element has shape {leaf.shape}, but the scheduled "
-                            f"function was traced for {tuple(shape)}; every element must have the same shape. "
-                            "Batch with drop_remainder=True (and repeat() the dataset)."
-                        )
-                    iter_vals.append(leaf.astype(dtype, copy=False))
-        outs = program.call(read_vals, iter_vals, list(args))
-        outs = [np.asarray(x) for x in outs]
-        self._push(closure_id, plan, outs, pulled)
-        return outs[: plan.num_results]
+            read.append((iterator, elements))
+        iter_vals, seen, changed = [], [], False
+        for (resource_id, _, specs), (_, elements) in zip(plan.iterators, read):
+            treedef, element_leaves = None, []
+            for element, spec in zip(elements, specs):
+                leaves, treedef = jax.tree_util.tree_flatten(element)
+                leaves = [np.asarray(x) for x in leaves]
+                element_leaves.append([(x.shape, x.dtype.str) for x in leaves])
+                changed = changed or len(leaves) != len(spec) or any(x.shape != tuple(s) for x, (s, _) in zip(leaves, spec))
+                iter_vals.extend(x.astype(d, copy=False) for x, (_, d) in zip(leaves, spec))
+            seen.append((resource_id, treedef, element_leaves))
+        if changed:
+            for iterator, elements in read:
+                iterator.put_back(elements)
+            return ElementSpecChanged(tuple(seen))
+        return iter_vals
 
     def _push(self, closure_id: int, plan: Any, outs: list, pulled: dict) -> None:
         import ray

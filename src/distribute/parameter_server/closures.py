@@ -34,11 +34,13 @@ from distribute.parameter_server.errors import (
     PSUnavailableError,
     UnavailableError,
 )
+from distribute.parameter_server.dataset import ElementSpecChanged
 from distribute.parameter_server.values import RemoteValue
 
 _WORKER_RECOVERY_SECONDS = 600.0  # TF waits up to an hour (_WORKER_MAXIMUM_RECOVERY_SEC)
 _PING_SECONDS = 5.0
 _CLOSURE_IDS = itertools.count()
+_MAX_RETRACES = 16  # one program per element signature; each is traced once and cached
 
 
 class Closure:
@@ -47,6 +49,8 @@ class Closure:
     def __init__(self, step: Any, args: list, remote_value: RemoteValue):
         self.step, self.args, self.remote_value = step, args, remote_value
         self.id = next(_CLOSURE_IDS)  # the same on a re-run: each ps applies the update once
+        # ElementSpecChanged -> the Step for those element shapes (ClusterCoordinator.schedule sets it)
+        self.retrace: Any = None
 
     def cancel(self) -> None:
         self.remote_value._set_error(CancelledError(CANCELLED_MESSAGE))
@@ -182,11 +186,8 @@ class WorkerThread:
                 self._queue._cond.notify_all()
 
     def _process(self, closure: Closure) -> None:
-        import ray
-
-        step = closure.step
         try:
-            outs = ray.get(self.actor.run.remote(closure.id, step.plan, step.box, closure.args))
+            outs = self._run(closure)
         except Exception as error:  # noqa: BLE001 - classified below
             kind, cause = self._cluster.classify(error)
             if kind == "worker":
@@ -204,8 +205,30 @@ class WorkerThread:
             return
         import jax
 
-        closure.remote_value._set_value(jax.tree_util.tree_unflatten(step.out_tree, outs))
+        closure.remote_value._set_value(jax.tree_util.tree_unflatten(closure.step.out_tree, outs))
         self._queue.mark_finished()
+
+    def _run(self, closure: Closure) -> list:
+        """Runs ``closure`` on this worker; elements of a new shape get their program first (TF retraces).
+
+        The worker reads a closure's elements before it pulls, runs or pushes anything;
+        when their shapes are not the program's, and it has not run the program of
+        their shapes before, it puts them back and answers ``ElementSpecChanged``; the
+        closure runs again with the program traced (once, cached) for those shapes: no
+        element is skipped or read twice, no update applied twice.
+        """
+        import ray
+
+        for _ in range(_MAX_RETRACES):
+            step = closure.step
+            outs = ray.get(self.actor.run.remote(closure.id, step.plan, step.box, closure.args))
+            if not isinstance(outs, ElementSpecChanged):
+                return outs
+            closure.step = closure.retrace(outs)
+        raise RuntimeError(
+            f"worker {self.index}'s elements changed shape {_MAX_RETRACES} times in a row for one scheduled function; "
+            "give the dataset a fixed element shape (batch with drop_remainder=True)."
+        )
 
     def _recover(self) -> None:
         """Waits for Ray to restart this worker, then rebuilds its iterators (TF: _on_worker_recovery)."""

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -10,7 +13,9 @@ import numpy as np
 
 from distribute.parameter_server.closures import Closure, ClosureQueue, WorkerThread
 from distribute.parameter_server.dataset import (
+    ElementSpecChanged,
     PerWorkerDataset,
+    PerWorkerDatasetValues,
     PerWorkerDistributedIterator,
     pipeline_fn,
 )
@@ -56,6 +61,8 @@ class ClusterCoordinator:
         self._refreshed_at = 0
         self._threads = [WorkerThread(i, self._cluster, self._queue) for i in range(len(self._cluster.workers))]
         self._steps: dict = {}
+        self._families: dict = {}  # (function key, result treedef) -> the family id of its programs
+        self._trace_lock = threading.RLock()  # schedule and the dispatch threads' re-traces share self._steps
         strategy._cluster_coordinator = self
         strategy.extended._used_with_coordinator = True
         return self
@@ -95,7 +102,7 @@ class ClusterCoordinator:
         leaves, treedef = jax.tree_util.tree_flatten(
             (args, kwargs), is_leaf=lambda x: isinstance(x, (RemoteValue, PerWorkerValues, KerasVariable))
         )
-        kinds, statics, arrays, avals, iter_specs, key_parts = [], [], [], [], [], []
+        kinds, statics, arrays, avals, iter_specs, key_parts, datasets = [], [], [], [], [], [], set()
         for leaf in leaves:
             if isinstance(leaf, RemoteValue):
                 raise ValueError(
@@ -104,10 +111,11 @@ class ClusterCoordinator:
                 )
             if isinstance(leaf, PerWorkerDistributedIterator):
                 el_treedef, specs = leaf._spec()
-                specs = [(tuple(shape), np.dtype(jax.dtypes.canonicalize_dtype(np.dtype(dtype)))) for shape, dtype in specs]
                 kinds.append(program.ITER)
-                iter_specs.append((leaf._resource_id, el_treedef, specs))
-                key_parts.append(("iter", leaf._resource_id, el_treedef, tuple(map(tuple, specs))))
+                iter_specs.append((leaf._resource_id, el_treedef, [_canonical(specs)]))
+                key_parts.append(("iter", leaf._resource_id))
+                if isinstance(leaf, PerWorkerDatasetValues):
+                    datasets.add(leaf._resource_id)
             elif isinstance(leaf, PerWorkerValues):
                 raise NotImplementedError(
                     "a PerWorkerValues other than a per-worker iterator as a scheduled input is not supported yet; "
@@ -123,15 +131,30 @@ class ClusterCoordinator:
                 kinds.append(program.STATIC)
                 statics.append(leaf)
                 key_parts.append(("static", _static_key(leaf)))
-        key = (_function_key(fn), treedef, tuple(key_parts))
-        step = self._steps.get(key)
-        if step is None:
-            step = program.trace_step(self._strategy, fn, treedef, kinds, statics, avals, iter_specs)
-            self._steps[key] = step
+        step_for = functools.partial(self._step_for, (_function_key(fn), treedef, tuple(key_parts)),
+                                     fn, treedef, kinds, statics, avals, frozenset(datasets))
+        step = step_for(iter_specs)
         remote_value = RemoteValue()
         remote_value._after_fetch = self._refresh_after_progress
-        self._queue.put(Closure(step, arrays, remote_value))
+        closure = Closure(step, arrays, remote_value)
+        closure.retrace = functools.partial(_retrace, step_for)
+        self._queue.put(closure)
         return remote_value
+
+    def _step_for(self, key: Any, fn: Callable, treedef: Any, kinds: list, statics: list, avals: list,
+                  datasets: frozenset, iter_specs: list) -> Any:
+        """The step program of ``fn`` for this input signature, traced on first use (TF: one per signature)."""
+        from distribute.parameter_server import program
+
+        signature = tuple((rid, el_treedef, tuple(tuple(s) for s in specs)) for rid, el_treedef, specs in iter_specs)
+        with self._trace_lock:
+            step = self._steps.get((key, signature))
+            if step is None:
+                step = program.trace_step(self._strategy, fn, treedef, kinds, statics, avals, iter_specs, datasets)
+                family = self._families.setdefault((key, step.out_tree), len(self._families))
+                step.plan = dataclasses.replace(step.plan, family=family)
+                self._steps[(key, signature)] = step
+        return step
 
     def join(self) -> None:
         """Blocks until every scheduled function has run; then the coordinator's variables hold the ps values.
@@ -186,6 +209,20 @@ class ClusterCoordinator:
 
     def _stop(self) -> None:
         self._queue.stop()
+
+
+def _canonical(specs: list) -> list:
+    """A worker's ``[(shape, dtype str), ...]`` as the program's inputs: dtypes as JAX has them (x64 off: 32 bits)."""
+    return [(tuple(shape), np.dtype(jax.dtypes.canonicalize_dtype(np.dtype(dtype)))) for shape, dtype in specs]
+
+
+def _retrace(step_for: Callable, changed: ElementSpecChanged) -> Any:
+    """The step for the element shapes a worker found (a partial batch): per iterator, one spec per element read."""
+    iter_specs = []
+    for rid, el_treedef, elements in changed.specs:
+        specs = [_canonical(e) for e in elements]
+        iter_specs.append((rid, el_treedef, specs[:1] if all(s == specs[0] for s in specs) else specs))
+    return step_for(iter_specs)  # every element alike: the same signature as schedule's (one cached step)
 
 
 def _function_key(fn: Callable) -> Any:

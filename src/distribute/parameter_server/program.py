@@ -55,11 +55,14 @@ class StepPlan:
     program_id: int
     pull: dict  # ps index -> tuple of storage keys
     read: tuple  # per program variable input: ((ps, key), ...) concatenated on axis 0
-    iterators: tuple  # (resource_id, number of next() calls, [(shape, dtype)])
+    iterators: tuple  # (resource_id, number of next() calls, per element [(shape, dtype), ...])
     num_results: int
     applies: tuple  # (ps, program_id, box, owned keys, written keys, foreign (ps, key)s or output position, grad slices)
     deltas: tuple  # (output position, ((ps, key, start, stop), ...))
     sets: tuple
+    # The programs of one function and result structure, one per element signature, share a family:
+    # a worker that met another signature before runs that program itself (ClusterCoordinator sets it).
+    family: int = -1
 
 
 @dataclasses.dataclass
@@ -69,11 +72,21 @@ class Step:
     out_tree: Any
 
 
-class _TracedIterator:
-    """Stands for a per-worker iterator while tracing: each ``next()`` is a program input."""
+def spec_at(element_specs: Any, k: int) -> list:
+    """The ``[(shape, dtype), ...]`` of element ``k`` of an iterator input (the last known one past the end)."""
+    return element_specs[min(k, len(element_specs) - 1)]
 
-    def __init__(self, treedef: Any, specs: list, elements: list):
-        self._treedef, self._specs, self._elements = treedef, specs, elements
+
+class _TracedIterator:
+    """Stands for a per-worker iterator while tracing: each ``next()`` is a program input.
+
+    ``element_specs``: the leaves' ``(shape, dtype)`` of each element the program
+    reads (a program per signature: a partial batch gets its own program, as
+    ``tf.function`` retraces for it); elements past the end take the last one's.
+    """
+
+    def __init__(self, treedef: Any, element_specs: list, elements: list):
+        self._treedef, self._element_specs, self._elements = treedef, element_specs, elements
         self.count = 0
 
     def __iter__(self) -> _TracedIterator:
@@ -87,12 +100,28 @@ class _TracedIterator:
         if self.count < len(self._elements):
             leaves = self._elements[self.count]
         else:  # discovered now; an input from the next trace on
-            leaves = [jnp.zeros(shape, dtype) for shape, dtype in self._specs]
+            leaves = [jnp.zeros(shape, dtype) for shape, dtype in spec_at(self._element_specs, self.count)]
         self.count += 1
         return jax.tree_util.tree_unflatten(self._treedef, leaves)
 
     def get_next(self) -> Any:
         return next(self)
+
+
+class _TracedDataset:
+    """Stands for a built per-worker dataset while tracing: ``iter()`` gives a fresh worker iterator each call."""
+
+    def __init__(self, iterator: _TracedIterator):
+        self._iterator, self._used = iterator, False
+
+    def __iter__(self) -> _TracedIterator:
+        if self._used:
+            raise NotImplementedError(
+                "iter() was called twice on a per-worker dataset inside one scheduled function; call it once per "
+                "call (each call starts a fresh iterator on the worker), or pass iter(per_worker_dataset) instead."
+            )
+        self._used = True
+        return self._iterator
 
 
 @dataclasses.dataclass
@@ -107,22 +136,29 @@ class _Record:
     set_vars: list = dataclasses.field(default_factory=list)
 
 
-def trace_step(strategy: Any, fn: Callable, treedef: Any, kinds: list, statics: list, arg_avals: list, iter_specs: list) -> Step:
+def trace_step(strategy: Any, fn: Callable, treedef: Any, kinds: list, statics: list, arg_avals: list, iter_specs: list,
+               datasets: frozenset = frozenset()) -> Step:
     """Traces ``fn`` into a step program and its apply programs; see the module docstring.
 
     ``iter_specs``: per per-worker iterator argument, ``(resource_id, element treedef,
-    [(shape, dtype), ...])``.
+    element_specs)``; ``element_specs`` lists the ``[(shape, dtype), ...]`` of the
+    elements the program reads, in order (one entry: every element alike).
+    ``datasets``: the resource ids of the ITER arguments that are built per-worker
+    datasets (``PerWorkerDataset.build()``): the function calls ``iter()`` on them once.
     """
     registry = strategy.extended._registry
     known: dict[int, KerasVariable] = {}
-    counts = [0] * len(iter_specs)
+    counts = [len(specs) for _, _, specs in iter_specs]  # a guess; the trace below counts the next() calls
     for _ in range(8):
         read_vars = list(known.values())
         record = _Record()
-        body = _step_body(strategy, fn, treedef, kinds, statics, iter_specs, counts, read_vars, record)
+        body = _step_body(strategy, fn, treedef, kinds, statics, iter_specs, counts, read_vars, record, datasets)
         read_avals = [jax.ShapeDtypeStruct(tuple(v.shape), v.dtype) for v in read_vars]
         iter_avals = [
-            jax.ShapeDtypeStruct(shape, dtype) for (_, _, specs), n in zip(iter_specs, counts) for _ in range(n) for shape, dtype in specs
+            jax.ShapeDtypeStruct(shape, dtype)
+            for (_, _, specs), n in zip(iter_specs, counts)
+            for k in range(n)
+            for shape, dtype in spec_at(specs, k)
         ]
         exported = jax.export.export(jax.jit(body))(read_avals, iter_avals, arg_avals)
         initialize_all_variables()
@@ -140,16 +176,17 @@ def trace_step(strategy: Any, fn: Callable, treedef: Any, kinds: list, statics: 
     )
 
 
-def _step_body(strategy, fn, treedef, kinds, statics, iter_specs, counts, read_vars, record: _Record):
+def _step_body(strategy, fn, treedef, kinds, statics, iter_specs, counts, read_vars, record: _Record, datasets=frozenset()):
     def body(read_vals, iter_vals, arg_vals):
         mapping = {id(v): x for v, x in zip(read_vars, read_vals)}
         scope = PSTraceScope(mapping)
         flat_iter = iter(iter_vals)
         iterators = []
-        for (_, el_treedef, specs), n in zip(iter_specs, counts):
-            elements = [[next(flat_iter) for _ in specs] for _ in range(n)]
+        for (rid, el_treedef, specs), n in zip(iter_specs, counts):
+            elements = [[next(flat_iter) for _ in spec_at(specs, k)] for k in range(n)]
             iterators.append(_TracedIterator(el_treedef, specs, elements))
-        it_iter, arg_iter, static_iter = iter(iterators), iter(arg_vals), iter(statics)
+        args_in = [_TracedDataset(it) if rid in datasets else it for (rid, _, _), it in zip(iter_specs, iterators)]
+        it_iter, arg_iter, static_iter = iter(args_in), iter(arg_vals), iter(statics)
         leaves = [next(it_iter) if k == ITER else next(arg_iter) if k == ARRAY else next(static_iter) for k in kinds]
         args, kwargs = jax.tree_util.tree_unflatten(treedef, leaves)
         with strategy.scope(), strategy.extended._scheduling(), scope:
@@ -213,7 +250,10 @@ def _make_step(strategy, registry, exported, record: _Record, read_vars, iter_sp
         program_id=program_id,
         pull={j: tuple(sorted(keys)) for j, keys in pull.items()},
         read=read,
-        iterators=tuple((rid, n, [(tuple(s), np.dtype(d).str) for s, d in specs]) for (rid, _, specs), n in zip(iter_specs, counts)),
+        iterators=tuple(
+            (rid, n, tuple([(tuple(s), np.dtype(d).str) for s, d in spec_at(specs, k)] for k in range(n)))
+            for (rid, _, specs), n in zip(iter_specs, counts)
+        ),
         num_results=record.num_results,
         applies=tuple(applies),
         deltas=deltas,

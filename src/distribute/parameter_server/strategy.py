@@ -222,6 +222,16 @@ class ParameterServerStrategy(Strategy):
         """Replicas per worker (TF: GPUs per worker, or 1); each worker runs one here."""
         return 1
 
+    def __reduce__(self) -> tuple:
+        """Pickles to a :class:`~distribute.parameter_server.dataset.WorkerStrategy` (a dataset_fn that closes over
+        the strategy, shipped to a worker): its input methods give the worker's own input, as TF's do there."""
+        from distribute.parameter_server.dataset import WorkerStrategy
+
+        return (WorkerStrategy, (self.num_replicas_in_sync,))
+
+    def __deepcopy__(self, memo: dict) -> ParameterServerStrategy:
+        return self  # one strategy owns the cluster; a copy would be the worker stand-in of __reduce__
+
     def __repr__(self) -> str:
         ext = self._extended
         return f"<ParameterServerStrategy num_workers={ext._num_workers} num_ps={ext._num_ps} at {id(self):#x}>"
