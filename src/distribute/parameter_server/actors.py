@@ -82,6 +82,7 @@ class ParameterServer:
         self._programs: dict[int, Any] = {}
         self._num_updates = 0
         self._version = 0  # mutations so far (applied updates, creates)
+        self._num_reads = 0
         self._applied: set[int] = set()
         self._applied_order: collections.deque[int] = collections.deque()
 
@@ -96,7 +97,12 @@ class ParameterServer:
         return self._version
 
     def read(self, keys: tuple) -> list:
+        self._num_reads += 1
         return [self._values[k] for k in keys]
+
+    def num_reads(self) -> int:
+        """How many ``read`` calls (a worker's pulls; a step that reads a push's read-back makes none)."""
+        return self._num_reads
 
     def read_all(self) -> dict:
         return dict(self._values)
@@ -203,6 +209,7 @@ class Worker:
             self._plans[plan.program_id] = plan
             _load(self._programs, plan.program_id, box)
         if after is not None and after == self._failed:
+            self._failed = closure_id  # and the one sent after it, if any, is skipped too
             return None
         try:
             return self._step(closure_id, plan, box, args, seen or {})

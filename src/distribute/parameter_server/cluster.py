@@ -28,12 +28,6 @@ from distribute.parameter_server.actors import ParameterServer, Worker
 _NAMESPACES = itertools.count()
 _LOCK = threading.Lock()
 _STARTED_RAY: list[bool] = []
-# Ray passes an object of up to this size inside the RPC message (by default 100 KiB;
-# larger ones go through the object store: an extra put/get, ~1 ms for 200 KB).  A
-# step's pull and push are a model's weights and gradients per ps, often a few hundred
-# KB, so the Ray this module starts inlines up to 1 MiB (measured: a 200 KB pull
-# 2.3 -> 1.2 ms, push 2.7 -> 1.4 ms).  Ray's gRPC messages carry up to 512 MiB.
-SYSTEM_CONFIG = {"max_direct_call_object_size": 1 << 20}
 
 
 def import_ray() -> Any:
@@ -54,6 +48,8 @@ def connect(address: str | None) -> None:
         if ray.is_initialized():
             return
         if address is None:
+            from distribute.parameter_server.nodes import SYSTEM_CONFIG
+
             ray.init(address="local", include_dashboard=False, log_to_driver=False, configure_logging=False,
                      _system_config=SYSTEM_CONFIG)
             _STARTED_RAY.append(True)
