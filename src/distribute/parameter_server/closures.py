@@ -100,6 +100,11 @@ class ClosureQueue:
             self.finished += 1
             self._cond.notify_all()
 
+    def mark_cancelled(self) -> None:
+        with self._cond:
+            self._inflight -= 1
+            self._cond.notify_all()
+
     def put_back(self, closure: Closure) -> None:
         with self._cond:
             self._inflight -= 1
@@ -192,6 +197,9 @@ class WorkerThread:
                         return  # stopped
                 self._receive(sent)
                 if not self._cluster.alive:
+                    for closure, _ in sent:  # shut down: what is still sent will not be delivered
+                        closure.cancel()
+                        self._queue.mark_cancelled()
                     return
         finally:
             with self._queue._cond:
