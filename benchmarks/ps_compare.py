@@ -19,6 +19,10 @@ machine load hits both systems alike.  Reported: median examples/s with min-max.
   out (Keras 3 has no parameter-server support), ``tf.function`` step over a
   per-worker ``tf.data`` dataset; the same schedule/join timing.
 
+``--baseline-src DIR`` adds "base": ours run from another ``src`` tree (e.g.
+``git archive main src | tar -x -C /tmp/base``), interleaved with the others, so
+a change is measured against its baseline under the same load.
+
 Usage::
 
     /work/venv/bin/python benchmarks/ps_compare.py --tf-python /work/tfvenv/bin/python \\
@@ -215,10 +219,11 @@ def child_tf(workers: int, steps: int, warmup: int) -> dict:
 # -- driver ----------------------------------------------------------------------------------------------------------
 def run_child(python: str, system: str, workers: int, args: argparse.Namespace) -> dict:
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(HERE.parent / "src"), env.get("PYTHONPATH")) if p)
+    src = args.baseline_src if system == "base" else str(HERE.parent / "src")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH")) if p)
     env.setdefault("KERAS_BACKEND", "jax")
     env.setdefault("JAX_PLATFORMS", "cpu")
-    cmd = [python, str(Path(__file__).resolve()), "--child", system, "--workers", str(workers),
+    cmd = [python, str(Path(__file__).resolve()), "--child", "ours" if system == "base" else system, "--workers", str(workers),
            "--steps", str(args.steps), "--warmup", str(args.warmup)]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=env)
@@ -232,7 +237,7 @@ def run_child(python: str, system: str, workers: int, args: argparse.Namespace) 
 
 def summarize(runs: list[dict]) -> list[dict]:
     rows = []
-    for system in ("ours", "tf"):
+    for system in ("ours", "base", "tf"):
         for workers in sorted({r["workers"] for r in runs}):
             ok = [r for r in runs if r["system"] == system and r["workers"] == workers and "error" not in r]
             if not ok:
@@ -268,6 +273,11 @@ def markdown(meta: dict, rows: list[dict], runs: list[dict]) -> str:
         ratio = f"{r['median'] / tf_rows[r['workers']]['median']:.2f}x" if r["workers"] in tf_rows else "-"
         lines.append(f"| {r['system']} | {r['workers']} | {r['median']:,.0f} | {r['min']:,.0f}-{r['max']:,.0f} | "
                      f"{r['step_ms']:.2f} | {r['startup_seconds']:.1f} | {ratio} |")
+    base_rows = {r["workers"]: r for r in rows if r["system"] == "base"}
+    if base_rows:
+        lines += ["", f"base: ours from {meta.get('baseline_src')}; ours vs base (median examples/s): " + ", ".join(
+            f"{r['median'] / base_rows[r['workers']]['median']:.2f}x with {r['workers']} worker(s)"
+            for r in rows if r["system"] == "ours" and r["workers"] in base_rows)]
     one = next((r for r in rows if r["system"] == "ours" and r["workers"] == 1 and "ray_round_trip_ms" in r), None)
     if one:
         lines += ["", f"Per step, ours with 1 worker: {one['step_ms']:.2f} ms; a raw Ray round trip to the ps actor: "
@@ -289,6 +299,7 @@ def main(argv=None) -> int:
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--tf-python", default=None)
+    parser.add_argument("--baseline-src", default=None, help="a src tree to run as 'base', interleaved")
     parser.add_argument("--timeout", type=float, default=600)
     parser.add_argument("--out", default=str(HERE / "results" / "ps"))
     args = parser.parse_args(argv)
@@ -300,11 +311,12 @@ def main(argv=None) -> int:
     meta = {"commit": git_commit(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, {platform.platform()}",
             "load_before": " ".join(f"{x:.1f}" for x in os.getloadavg()), "repeats": args.repeats,
-            "steps": args.steps, "warmup": args.warmup}
+            "steps": args.steps, "warmup": args.warmup, "baseline_src": args.baseline_src}
     runs = []
     for repeat in range(args.repeats):
         for w in workers:
-            systems = [("ours", sys.executable)] + ([("tf", args.tf_python)] if args.tf_python else [])
+            systems = ([("ours", sys.executable)] + ([("base", sys.executable)] if args.baseline_src else [])
+                       + ([("tf", args.tf_python)] if args.tf_python else []))
             for system, python in (systems if repeat % 2 == 0 else systems[::-1]):
                 result = run_child(python, system, w, args)
                 runs.append(result)

@@ -16,6 +16,18 @@ and not others; the closure runs again elsewhere (TF's at-least-once), and the
 ps that already have its update skip the repeat.  So every variable takes each
 scheduled step exactly once, where TF can apply a re-run step twice to some
 variables and once to others.
+
+One Ray call per ps per step.  Each ps counts its mutations (``version``: applied
+updates and coordinator writes).  A push asks its ps for the values its step read
+(``read_back``), taken right after the update; the worker keeps them and its next
+step reads them instead of pulling, if they are at least as new as every version
+the coordinator had observed when it sent that step (results of finished
+closures, its own writes; ``seen``).  So a step sees its worker's previous update,
+everything the coordinator had seen happen before it scheduled the step, and
+(with 1 worker) exactly the values a fresh read would return; other workers'
+updates that landed after that read-back, unobserved, are missed, as TF misses
+updates that land after its step's reads.  The coordinator sends a step's plan
+and the worker sends an apply program to a ps only the first time.
 """
 
 from __future__ import annotations
@@ -33,15 +45,26 @@ from distribute.parameter_server.worker_context import worker_index_scope
 # A re-run closure reaches the ps within seconds of the failure; remembering the last
 # 2**16 applied closures (about 4 MB) covers that with a wide margin.
 _REMEMBERED_CLOSURES = 1 << 16
+# What Worker.run returns on a restarted worker the coordinator has not recovered
+# yet (no iterators, no plans): the coordinator re-queues the closure and recovers it.
+LOST = "lost"
 
 
-def _load(cache: dict, program_id: int, box: list) -> Any:
+def _load(cache: dict, program_id: int, box: list | None) -> Any:
+    """The program ``box`` holds, deserialized once and wrapped in ``jax.jit``.
+
+    ``Exported.call`` outside ``jit`` re-binds the call primitive (type checks,
+    custom-vjp tracing) on every call, 1-2 ms on the mlp benchmark; under ``jit``
+    a call is one cached dispatch.
+    """
     program = cache.get(program_id)
     if program is None:
         import jax
         import ray
 
-        program = jax.export.deserialize(bytearray(ray.get(box[0])))
+        if box is None:
+            raise RuntimeError(f"program {program_id} was never sent here; this is a bug in distribute.")
+        program = jax.jit(jax.export.deserialize(bytearray(ray.get(box[0]))).call)
         cache[program_id] = program
     return program
 
@@ -58,18 +81,28 @@ class ParameterServer:
         self._values: dict[int, np.ndarray] = {}
         self._programs: dict[int, Any] = {}
         self._num_updates = 0
+        self._version = 0  # mutations so far (applied updates, creates)
+        self._num_reads = 0
         self._applied: set[int] = set()
         self._applied_order: collections.deque[int] = collections.deque()
 
     def ping(self) -> int:
         return self._task_id
 
-    def create(self, values: dict) -> None:
+    def create(self, values: dict) -> int:
+        """Stores ``values`` (key -> array); returns this ps's version after the write."""
         for key, value in values.items():
             self._values[key] = np.asarray(value)
+        self._version += 1
+        return self._version
 
     def read(self, keys: tuple) -> list:
+        self._num_reads += 1
         return [self._values[k] for k in keys]
+
+    def num_reads(self) -> int:
+        """How many ``read`` calls (a worker's pulls; a step that reads a push's read-back makes none)."""
+        return self._num_reads
 
     def read_all(self) -> dict:
         return dict(self._values)
@@ -77,13 +110,21 @@ class ParameterServer:
     def num_updates(self) -> int:
         return self._num_updates
 
-    def update(self, closure_id: int, applies: list, deltas: list, sets: list) -> None:
+    def update(self, closure_id: int, applies: list, deltas: list, sets: list, read_back: tuple | None = None) -> Any:
         """Applies one step's updates: optimizer programs, then additive deltas, then sets.
 
         A second update for the same ``closure_id`` (a re-run closure) is skipped.
+        An apply's program box is None when its worker sent it before.  Returns
+        ``(version, values of the read_back keys or None)`` after the update.
         """
-        if closure_id in self._applied:
-            return
+        for program_id, box, *_ in applies:
+            if box is not None:
+                _load(self._programs, program_id, box)
+        if closure_id not in self._applied:
+            self._apply(closure_id, applies, deltas, sets)
+        return self._version, None if read_back is None else [self._values[k] for k in read_back]
+
+    def _apply(self, closure_id: int, applies: list, deltas: list, sets: list) -> None:
         self._applied.add(closure_id)
         self._applied_order.append(closure_id)
         if len(self._applied_order) > _REMEMBERED_CLOSURES:
@@ -91,7 +132,7 @@ class ParameterServer:
         for program_id, box, owned, written, foreign_vals, grads in applies:
             program = _load(self._programs, program_id, box)
             owned_vals = [_rows([self._values[k] for k in keys]) for keys in owned]
-            new_vals = program.call(owned_vals, list(foreign_vals), list(grads))
+            new_vals = program(owned_vals, list(foreign_vals), list(grads))
             for keys, value in zip(written, new_vals):
                 value = np.asarray(value)
                 start = 0
@@ -104,6 +145,7 @@ class ParameterServer:
         for key, value in sets:
             self._values[key] = np.asarray(value, self._values[key].dtype)
         self._num_updates += 1
+        self._version += 1
 
 
 def _plan_signature(plan: Any) -> tuple:
@@ -140,9 +182,18 @@ class Worker:
         self._iterators: dict[int, Any] = {}
         self._datasets: dict[int, Any] = {}  # built per-worker datasets: a fresh iterator per run
         self._variants: dict[tuple, tuple] = {}  # (plan family, element shapes) -> (plan, box) run before
+        self._plans: dict[int, Any] = {}  # program id -> StepPlan, sent once by the coordinator
+        self._sent: set[tuple[int, int]] = set()  # (ps, apply program id) sent to that ps
+        self._read_back: dict[int, tuple[int, dict]] = {}  # ps -> (version, key -> value) from the last push
+        self._failed: int | None = None  # the id of the last closure that raised here
+        self._adopted = not _reconstructed()
 
     def ping(self) -> int:
         return self._index
+
+    def adopt(self) -> None:
+        """The coordinator recovered this restarted worker: it runs closures again."""
+        self._adopted = True
 
     def create_iterator(self, resource_id: int, dataset_fn: Any) -> Any:
         """Builds this worker's dataset with ``dataset_fn()`` and returns its first element's spec.
@@ -173,27 +224,66 @@ class Worker:
         """The ``element_spec`` of a built dataset (``PerWorkerDataset.build()``): the Dataset's, else its first element's."""
         return element_specs(self._datasets[resource_id])
 
-    def run(self, closure_id: int, plan: Any, box: list, args: list) -> list:
-        """Pulls the variables ``plan`` reads, runs the step program, pushes its updates.
+    def run(self, closure_id: int, plan: Any, box: list | None, args: list, after: int | None = None,
+            seen: dict | None = None) -> Any:
+        """Reads the variables ``plan`` reads, runs the step program, pushes its updates.
 
         ``closure_id`` identifies the scheduled call (the same on a re-run), so that
-        each ps applies its update once.
+        each ps applies its update once.  ``plan`` is a ``StepPlan``, or the program
+        id of one sent before (then ``box`` is None).  ``after`` is the id of the
+        closure the coordinator sent here just before, still in flight when it sent
+        this one: if that one raised here, this one does not run (returns None; the
+        coordinator cancels it, or re-queues it, as if it had still been queued, as
+        TF).  ``seen``: ps index -> the newest version of it the coordinator had
+        observed (module docstring).
 
-        Returns the program's results as numpy arrays (copied to the coordinator).
+        Returns ``(results as numpy arrays, {ps: version after this push})``, None
+        (skipped) or ``LOST`` (a restarted worker not yet recovered).
         """
+        if not self._adopted:
+            return LOST
+        if isinstance(plan, int):
+            plan = self._plans[plan]
+        else:  # kept, with its program, even when skipped: the coordinator sends each once
+            self._plans[plan.program_id] = plan
+            _load(self._programs, plan.program_id, box)
+        if after is not None and after == self._failed:
+            self._failed = closure_id  # and the one sent after it, if any, is skipped too
+            return None
+        try:
+            return self._step(closure_id, plan, box, args, seen or {})
+        except BaseException:
+            self._failed = closure_id
+            raise
+
+    def _pull(self, plan: Any, seen: dict) -> dict:
+        """ps -> {key: value} of what ``plan`` reads: the last push's read-back where new enough, else a read."""
         import ray
+
+        pulled, pulls = {}, {}
+        for j, keys in plan.pull.items():
+            kept = self._read_back.get(j)
+            if kept is not None and kept[0] >= seen.get(j, 0) and all(k in kept[1] for k in keys):
+                pulled[j] = kept[1]
+            elif keys:
+                self._read_back.pop(j, None)  # older than what this step reads now
+                pulls[j] = self._ps[j].read.remote(keys)
+        for j, vals in zip(pulls, ray.get(list(pulls.values()))):
+            pulled[j] = dict(zip(plan.pull[j], vals))
+        return pulled
+
+    def _step(self, closure_id: int, plan: Any, box: list | None, args: list, seen: dict) -> tuple[list, dict]:
+        import jax
 
         plan, box, iter_vals = self._plan_for_elements(plan, box)
         if isinstance(iter_vals, ElementSpecChanged):
             return iter_vals  # nothing pulled or pushed: the coordinator sends the program of this signature
         program = _load(self._programs, plan.program_id, box)
-        pulls = {j: self._ps[j].read.remote(keys) for j, keys in plan.pull.items() if keys}
-        pulled = {j: dict(zip(plan.pull[j], vals)) for j, vals in zip(pulls, ray.get(list(pulls.values())))}
+        pulled = self._pull(plan, seen)
         read_vals = [_rows([pulled[j][k] for j, k in keys]) for keys in plan.read]
-        outs = program.call(read_vals, iter_vals, list(args))
-        outs = [np.asarray(x) for x in outs]
-        self._push(closure_id, plan, outs, pulled)
-        return outs[: plan.num_results]
+        outs = jax.device_get(list(program(read_vals, iter_vals, list(args))))
+        versions = self._push(closure_id, plan, outs, pulled)
+        return outs[: plan.num_results], versions
 
     def _plan_for_elements(self, plan: Any, box: list) -> tuple:
         """``(plan, box, element leaves)``: ``plan``, or the plan of its family that this worker ran before for the
@@ -254,13 +344,15 @@ class Worker:
             return ElementSpecChanged(tuple(seen))
         return iter_vals
 
-    def _push(self, closure_id: int, plan: Any, outs: list, pulled: dict) -> None:
+    def _push(self, closure_id: int, plan: Any, outs: list, pulled: dict) -> dict:
+        """Sends each ps its part of the update; keeps what each returns; returns ps -> version."""
         import ray
 
         per_ps: dict[int, tuple[list, list, list]] = {}
         for j, program_id, box, owned, written, foreign, grad_slices in plan.applies:
             foreign_vals = [outs[f] if isinstance(f, int) else _rows([pulled[p][k] for p, k in f]) for f in foreign]
             grads = [_rows([outs[pos][a:b] for a, b in bounds]) if bounds else outs[pos] for pos, bounds in grad_slices]
+            box = None if (j, program_id) in self._sent else box
             per_ps.setdefault(j, ([], [], []))[0].append((program_id, box, owned, written, foreign_vals, grads))
         for kind, targets in ((1, plan.deltas), (2, plan.sets)):
             for pos, shards in targets:
@@ -268,4 +360,24 @@ class Worker:
                 for j, key, a, b in shards:
                     part = value if a is None else value[a:b]
                     per_ps.setdefault(j, ([], [], []))[kind].append((key, part))
-        ray.get([self._ps[j].update.remote(closure_id, *lists) for j, lists in per_ps.items()])
+        backs = {j: plan.pull.get(j) or None for j in per_ps}
+        replies = ray.get([self._ps[j].update.remote(closure_id, *lists, backs[j]) for j, lists in per_ps.items()])
+        self._sent.update((j, entry[0]) for j, lists in per_ps.items() for entry in lists[0])
+        versions = {}
+        for j, (version, values) in zip(per_ps, replies):
+            versions[j] = version
+            if values is None:
+                self._read_back.pop(j, None)  # older than this worker's own update
+            else:
+                self._read_back[j] = (version, dict(zip(backs[j], values)))
+        return versions
+
+
+def _reconstructed() -> bool:
+    """Whether this actor is a restart (Ray's ``was_current_actor_reconstructed``); False outside an actor."""
+    try:
+        import ray
+
+        return bool(ray.get_runtime_context().was_current_actor_reconstructed)
+    except Exception:  # noqa: BLE001 - not in a Ray actor
+        return False

@@ -1,8 +1,11 @@
 """The closure queue and the per-worker dispatch threads (TF's ``_CoordinatedClosureQueue`` and ``Worker``).
 
-One thread per worker takes the next closure, runs it on its worker actor with a
-blocking Ray call (so results are on the coordinator as soon as they exist) and
-classifies failures as TF's ``WorkerPreemptionHandler`` does:
+One thread per worker takes the next closure and sends it to its worker actor,
+keeping up to 2 in flight (the next one waits in the actor's mailbox while the
+previous runs, hiding the coordinator's round trip; a closure whose predecessor
+on that worker raised does not run, so it is cancelled as if it had still been
+queued), delivers each result as soon as it exists, and classifies failures as
+TF's ``WorkerPreemptionHandler`` does:
 
 =====================================================  ==============================================
 failure                                                what happens
@@ -27,6 +30,7 @@ import threading
 import time
 from typing import Any
 
+from distribute.parameter_server.actors import LOST
 from distribute.parameter_server.errors import (
     CANCELLED_MESSAGE,
     CancelledError,
@@ -39,6 +43,11 @@ from distribute.parameter_server.values import RemoteValue
 
 _WORKER_RECOVERY_SECONDS = 600.0  # TF waits up to an hour (_WORKER_MAXIMUM_RECOVERY_SEC)
 _PING_SECONDS = 5.0
+# Closures sent to a worker before the previous one returned: the worker's next step is
+# already in its Ray mailbox when one ends, so the coordinator's round trip (~1-2 ms a
+# step) overlaps the worker's work.  TF keeps one per worker; 2 keep the order and
+# semantics (Worker.run's ``after``) while hiding the round trip.
+_IN_FLIGHT = 2
 _CLOSURE_IDS = itertools.count()
 _MAX_RETRACES = 16  # one program per element signature; each is traced once and cached
 
@@ -51,6 +60,7 @@ class Closure:
         self.id = next(_CLOSURE_IDS)  # the same on a re-run: each ps applies the update once
         # ElementSpecChanged -> the Step for those element shapes (ClusterCoordinator.schedule sets it)
         self.retrace: Any = None
+        self.retraces = 0
 
     def cancel(self) -> None:
         self.remote_value._set_error(CancelledError(CANCELLED_MESSAGE))
@@ -79,10 +89,12 @@ class ClosureQueue:
         with self._cond:
             self._raise_if_error()
 
-    def get(self) -> Closure | None:
+    def get(self, block: bool = True) -> Closure | None:
+        """The next closure (counted in flight); None once stopped, or (``block=False``) when none is queued."""
         with self._cond:
-            self._cond.wait_for(lambda: self._queue or self._stopped)
-            if self._stopped:
+            if block:
+                self._cond.wait_for(lambda: self._queue or self._stopped)
+            if self._stopped or not self._queue:
                 return None
             self._inflight += 1
             return self._queue.popleft()
@@ -91,6 +103,11 @@ class ClosureQueue:
         with self._cond:
             self._inflight -= 1
             self.finished += 1
+            self._cond.notify_all()
+
+    def mark_cancelled(self) -> None:
+        with self._cond:
+            self._inflight -= 1
             self._cond.notify_all()
 
     def put_back(self, closure: Closure) -> None:
@@ -156,6 +173,7 @@ class WorkerThread:
     def __init__(self, index: int, cluster: Any, queue: ClosureQueue):
         self.index, self._cluster, self._queue = index, cluster, queue
         self.resources: dict[int, tuple[Any, Any]] = {}  # resource id -> (dataset_fn, RemoteValue)
+        self._sent_plans: set[int] = set()  # program ids whose plan this worker's actor has
         self._lock = threading.Lock()
         with queue._cond:
             queue.live_workers += 1
@@ -173,27 +191,59 @@ class WorkerThread:
 
     def _loop(self) -> None:
         try:
+            sent: collections.deque[tuple[Closure, Any]] = collections.deque()
             while True:
-                closure = self._queue.get()
-                if closure is None:
-                    return
-                self._process(closure)
+                if len(sent) < _IN_FLIGHT:
+                    closure = self._queue.get(block=not sent)
+                    if closure is not None:
+                        sent.append((closure, self._send(closure, sent[-1][0].id if sent else None)))
+                        continue
+                    if not sent:
+                        return  # stopped
+                self._receive(sent)
                 if not self._cluster.alive:
+                    for closure, _ in sent:  # shut down: what is still sent will not be delivered
+                        closure.cancel()
+                        self._queue.mark_cancelled()
                     return
         finally:
             with self._queue._cond:
                 self._queue.live_workers -= 1
                 self._queue._cond.notify_all()
 
-    def _process(self, closure: Closure) -> None:
+    def _send(self, closure: Closure, after: int | None) -> Any:
+        step = closure.step
+        plan, box = step.plan, step.box
+        if plan.program_id in self._sent_plans:
+            plan, box = plan.program_id, None  # the worker keeps the plans it was sent
+        else:
+            self._sent_plans.add(plan.program_id)
+        return self.actor.run.remote(closure.id, plan, box, closure.args, after, self._cluster.seen())
+
+    def _receive(self, sent: collections.deque) -> None:
+        """Waits for the oldest closure sent; on a lost worker, also for the rest, then re-queues them in order."""
+        lost = []
+        while sent:
+            closure, ref = sent.popleft()
+            if not self._finish(closure, ref):
+                lost.append(closure)
+            if not lost:
+                return
+        for closure in reversed(lost):
+            self._queue.put_back(closure)
+        self._recover()
+
+    def _finish(self, closure: Closure, ref: Any) -> bool:
+        """Delivers one closure's result or error; False if its worker was lost (the caller re-queues it)."""
+        import ray
+
+        step = closure.step
         try:
-            outs = self._run(closure)
+            reply = ray.get(ref)
         except Exception as error:  # noqa: BLE001 - classified below
             kind, cause = self._cluster.classify(error)
             if kind == "worker":
-                self._queue.put_back(closure)
-                self._recover()
-                return
+                return False
             if kind == "ps":
                 cause = PSUnavailableError(
                     f"parameter server {cause} ({self._cluster.ps_name(cause)}, /job:ps/replica:0/task:{cause}) is "
@@ -202,38 +252,56 @@ class WorkerThread:
                 )
             closure.remote_value._set_error(cause)
             self._queue.mark_failed(cause)
-            return
+            return True
+        if reply is None:  # the closure sent before it raised on the worker: cancelled (or re-queued) as if queued
+            self._queue.put_back(closure)
+            return True
+        if isinstance(reply, ElementSpecChanged):
+            return self._retrace(closure, reply)
+        if reply == LOST:  # Ray restarted the worker before this thread saw it die
+            return False
         import jax
 
-        closure.remote_value._set_value(jax.tree_util.tree_unflatten(closure.step.out_tree, outs))
+        outs, versions = reply
+        self._cluster.observe(versions)  # before the result is visible: later steps see this one's update
+        closure.remote_value._set_value(jax.tree_util.tree_unflatten(step.out_tree, outs))
         self._queue.mark_finished()
+        return True
 
-    def _run(self, closure: Closure) -> list:
-        """Runs ``closure`` on this worker; elements of a new shape get their program first (TF retraces).
+    def _retrace(self, closure: Closure, changed: ElementSpecChanged) -> bool:
+        """Gives ``closure`` the program for the element shapes its worker found, and queues it first (TF retraces).
 
         The worker reads a closure's elements before it pulls, runs or pushes anything;
         when their shapes are not the program's, and it has not run the program of
         their shapes before, it puts them back and answers ``ElementSpecChanged``; the
         closure runs again with the program traced (once, cached) for those shapes: no
-        element is skipped or read twice, no update applied twice.
+        element is skipped or read twice, no update applied twice.  (A closure sent
+        behind it on the same worker may take those elements first: each element is
+        still read once.)
         """
-        import ray
-
-        for _ in range(_MAX_RETRACES):
-            step = closure.step
-            outs = ray.get(self.actor.run.remote(closure.id, step.plan, step.box, closure.args))
-            if not isinstance(outs, ElementSpecChanged):
-                return outs
-            closure.step = closure.retrace(outs)
-        raise RuntimeError(
-            f"worker {self.index}'s elements changed shape {_MAX_RETRACES} times in a row for one scheduled function; "
-            "give the dataset a fixed element shape (batch with drop_remainder=True)."
-        )
+        closure.retraces += 1
+        if closure.retraces > _MAX_RETRACES:
+            error = RuntimeError(
+                f"worker {self.index}'s elements changed shape {_MAX_RETRACES} times in a row for one scheduled "
+                "function; give the dataset a fixed element shape (batch with drop_remainder=True)."
+            )
+            closure.remote_value._set_error(error)
+            self._queue.mark_failed(error)
+            return True
+        try:
+            closure.step = closure.retrace(changed)
+        except Exception as error:  # noqa: BLE001 - the function's own error at trace time, raised by the next call
+            closure.remote_value._set_error(error)
+            self._queue.mark_failed(error)
+            return True
+        self._queue.put_back(closure)
+        return True
 
     def _recover(self) -> None:
         """Waits for Ray to restart this worker, then rebuilds its iterators (TF: _on_worker_recovery)."""
         import ray
 
+        self._sent_plans = set()
         with self._lock:
             for _, remote_value in self.resources.values():
                 remote_value._set_aborted(ClosureAbortedError("the worker holding this iterator was lost; it is being rebuilt."))
@@ -247,6 +315,7 @@ class WorkerThread:
         else:
             self._cluster.alive_workers.discard(self.index)
             return
+        self.actor.adopt.remote()  # before its iterators and closures (Ray keeps one caller's order)
         with self._lock:
             for resource_id, (dataset_fn, remote_value) in self.resources.items():
                 remote_value._start(self.actor.create_iterator.remote(resource_id, dataset_fn))

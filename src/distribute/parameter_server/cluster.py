@@ -48,7 +48,10 @@ def connect(address: str | None) -> None:
         if ray.is_initialized():
             return
         if address is None:
-            ray.init(address="local", include_dashboard=False, log_to_driver=False, configure_logging=False)
+            from distribute.parameter_server.nodes import SYSTEM_CONFIG
+
+            ray.init(address="local", include_dashboard=False, log_to_driver=False, configure_logging=False,
+                     _system_config=SYSTEM_CONFIG)
             _STARTED_RAY.append(True)
             atexit.register(_shutdown_ray)
         else:
@@ -124,7 +127,21 @@ class Cluster:
         self.alive = True
         self.alive_workers = set(range(num_workers))
         self.recoveries = 0
+        self._versions = [0] * num_ps  # per ps: the newest version the coordinator observed
+        self._versions_lock = threading.Lock()
         ray.get([h.ping.remote() for h in self.ps + self.workers], timeout=300)
+
+    def observe(self, versions: dict) -> None:
+        """Records ps versions (ps index -> version) a finished closure or a coordinator write reported."""
+        with self._versions_lock:
+            for j, version in versions.items():
+                if version > self._versions[j]:
+                    self._versions[j] = version
+
+    def seen(self) -> dict:
+        """ps index -> the newest version observed: what a step sent now must read at least (actors.py)."""
+        with self._versions_lock:
+            return {j: v for j, v in enumerate(self._versions) if v}
 
     def ps_name(self, j: int) -> str:
         return f"ps-{j}"

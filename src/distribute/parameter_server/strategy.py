@@ -99,7 +99,8 @@ class ParameterServerStrategyExtended(StrategyExtended):
         import ray
 
         parts = self._registry.shard_values(entry, var._value)
-        ray.get([self._cluster.ps[j].create.remote(vals) for j, vals in parts.items()])
+        versions = ray.get([self._cluster.ps[j].create.remote(vals) for j, vals in parts.items()])
+        self._cluster.observe(dict(zip(parts, versions)))
 
     def _flush(self) -> None:
         """Sends every variable not yet on its ps there (initial values)."""
@@ -113,7 +114,8 @@ class ParameterServerStrategyExtended(StrategyExtended):
             for entry in pending:
                 for j, vals in self._registry.shard_values(entry, entry.var._value).items():
                     per_ps.setdefault(j, {}).update(vals)
-            ray.get([self._cluster.ps[j].create.remote(vals) for j, vals in per_ps.items()])
+            versions = ray.get([self._cluster.ps[j].create.remote(vals) for j, vals in per_ps.items()])
+            self._cluster.observe(dict(zip(per_ps, versions)))
             for entry in pending:
                 entry.on_ps = True
 
