@@ -135,8 +135,8 @@ def _in_scope(original):
             if name in kwargs:
                 kwargs[name] = adapt(kwargs[name])
         strategy = model_strategy(self)
-        if strategy is None:
-            return original(self, *args, **kwargs)
+        if strategy is None or (original.__name__.endswith("_on_batch") and not hasattr(strategy.extended, "replica_mesh")):
+            return original(self, *args, **kwargs)  # *_on_batch: mesh strategies only (ParameterServerStrategy: as before)
         if original.__name__ == "fit":
             self.__dict__["_distribute_partial_rows"] = _partial_rows(args, kwargs)
         try:
