@@ -276,6 +276,50 @@ def test_bad_reduce_op_and_axis_are_clear():
             pass
 
 
+def test_input_api_and_replica_context_give_tf_values():
+    s3 = mirrored(3)
+    tf = TF["user_input_api"]
+    it = iter(s3.experimental_distribute_dataset(distribute.data.Dataset.range(4).batch(3)))
+    optionals = []
+    for _ in range(3):
+        opt = it.get_next_as_optional()
+        has = bool(opt.has_value())
+        optionals.append([has, [np.asarray(v).tolist() for v in s3.experimental_local_results(opt.get_value())]
+                          if has else None])
+    assert optionals == tf["get_next_as_optional"]
+
+    def branch(x):
+        if distribute.get_replica_context().replica_id_in_sync_group == 0:
+            return x * 10
+        return x
+
+    batch = next(iter(s3.experimental_distribute_dataset(distribute.data.Dataset.range(6).batch(6))))
+
+    def local(value):
+        return [jax_tree_lists(v) for v in s3.experimental_local_results(value)]
+
+    assert local(s3.run(branch, args=(batch,))) == tf["python_branch"]
+    assert local(s3.run(lambda x: distribute.get_replica_context().all_gather(x, axis=0), args=(batch,))) == tf["all_gather"]
+    assert local(s3.run(lambda x: distribute.get_replica_context().all_reduce("SUM", {"a": x, "b": (x * 2,)}),
+                        args=(batch,))) == tf["all_reduce_nested"]
+    assert float(s3.reduce("MEAN", 3.0, axis=None)) == tf["reduce_mean_python_float"]
+    # Was ValueError "... only valid with distribute_datasets_from_function (as TF)"; fixed to TF's class and text.
+    error_class, message = tf["per_replica_on_experimental_distribute_dataset"]
+    assert error_class == "NotImplementedError"
+    options = distribute.InputOptions(experimental_replication_mode=distribute.InputReplicationMode.PER_REPLICA)
+    with pytest.raises(NotImplementedError) as info:
+        s3.experimental_distribute_dataset(distribute.data.Dataset.range(6).batch(6), options=options)
+    assert str(info.value) == message
+
+
+def jax_tree_lists(value):
+    if isinstance(value, dict):
+        return {k: jax_tree_lists(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [jax_tree_lists(v) for v in value]
+    return np.asarray(value).tolist()
+
+
 # -- the backend and the CLI ----------------------------------------------------------------------
 def _python(code, **env):
     full = {**os.environ, "PYTHONPATH": SRC, **env}

@@ -203,6 +203,37 @@ def _():
     return jl([S3.experimental_local_results(v), S3.reduce("SUM", v, axis=None), S3.reduce("MEAN", v, axis=None)])
 
 
+@case("user_input_api")
+def _():
+    it = iter(S3.experimental_distribute_dataset(tf.data.Dataset.range(4).batch(3)))
+    optionals = []
+    for _ in range(3):
+        opt = it.get_next_as_optional()
+        has = bool(opt.has_value())
+        optionals.append([has, jl(S3.experimental_local_results(opt.get_value())) if has else None])
+
+    def branch(x):
+        if tf.distribute.get_replica_context().replica_id_in_sync_group == 0:
+            return x * 10
+        return x
+
+    batch = next(iter(S3.experimental_distribute_dataset(tf.data.Dataset.range(6).batch(6))))
+    try:
+        S3.experimental_distribute_dataset(tf.data.Dataset.range(6).batch(6), options=tf.distribute.InputOptions(
+            experimental_replication_mode=tf.distribute.InputReplicationMode.PER_REPLICA))
+        per_replica = "no error"
+    except Exception as e:  # noqa: BLE001
+        per_replica = [type(e).__name__, str(e)]
+    return {"get_next_as_optional": optionals,
+            "python_branch": jl(S3.experimental_local_results(S3.run(branch, args=(batch,)))),
+            "all_gather": jl(S3.experimental_local_results(S3.run(
+                lambda x: tf.distribute.get_replica_context().all_gather(x, axis=0), args=(batch,)))),
+            "all_reduce_nested": jl(S3.experimental_local_results(S3.run(
+                lambda x: tf.distribute.get_replica_context().all_reduce("SUM", {"a": x, "b": (x * 2,)}), args=(batch,)))),
+            "per_replica_on_experimental_distribute_dataset": per_replica,
+            "reduce_mean_python_float": float(S3.reduce("MEAN", 3.0, axis=None))}
+
+
 if __name__ == "__main__":
     if SECTION is not None:  # a child: one group of cases (TF's collectives do not mix strategies of 2 and 3 devices)
         print("RESULT " + json.dumps(RESULTS))
