@@ -320,6 +320,42 @@ def jax_tree_lists(value):
     return np.asarray(value).tolist()
 
 
+def test_metric_updated_with_a_reduced_loss_in_cross_replica_context():
+    # The custom loop's `train_loss.update_state(strategy.reduce(...))`. TF 2.21 (2 replicas, each
+    # returning 2.0): Mean 4.0 after update_state(loss), update_state(4.0). Was: JAX's "Received
+    # incompatible devices for jitted computation" (reduce's one-device value against the metric's
+    # replicated variable); fixed: assign_add / assign_sub move such a value to the variable's devices.
+    s2 = mirrored(2)
+    with s2.scope():
+        train_loss = keras.metrics.Mean()
+        total = keras.Variable(1.0)
+        on_read = keras.Variable(0.0, synchronization="on_read", aggregation="sum")
+    loss = s2.reduce("SUM", s2.run(lambda: keras.ops.convert_to_tensor(2.0)), axis=None)
+    train_loss.update_state(loss)
+    train_loss.update_state(4.0)
+    assert float(train_loss.result()) == 4.0
+    train_loss.update_state(loss, sample_weight=loss)
+    assert float(train_loss.result()) == 4.0
+    total.assign_add(loss)
+    total.assign_sub(loss / 2)
+    assert float(total) == 3.0
+    on_read.assign_add(loss)
+    assert float(on_read) == 4.0
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "Arithmetic between a MirroredVariable and strategy.reduce's result in cross-replica context: "
+    "TF 2.21 gives 5.0 for `v + loss` (v = 1.0, loss = 4.0); here JAX raises 'Received incompatible "
+    "devices for jitted computation' (reduce returns a value committed to one device, the variable "
+    "is replicated over the replicas' devices)."))
+def test_mirrored_variable_plus_reduced_value_as_tf():
+    s2 = mirrored(2)
+    with s2.scope():
+        v = keras.Variable(1.0)
+    loss = s2.reduce("SUM", s2.run(lambda: keras.ops.convert_to_tensor(2.0)), axis=None)
+    assert float(v + loss) == 5.0
+
+
 # -- the backend and the CLI ----------------------------------------------------------------------
 def _python(code, **env):
     full = {**os.environ, "PYTHONPATH": SRC, **env}
