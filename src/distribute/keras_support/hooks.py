@@ -143,7 +143,8 @@ def _additive(original):
 
         scope = get_stateless_scope()
         if not isinstance(scope, LiftingScope):
-            return original(self, _to_variable_devices(self, value))
+            # Outside any (stateless) scope: the user's cross-replica code.
+            return original(self, _to_variable_devices(self, value) if scope is None else value)
         scope.additive_depth += 1
         try:
             return original(self, value)
@@ -154,12 +155,14 @@ def _additive(original):
 
 
 def _to_variable_devices(variable: Any, value: Any) -> Any:
-    """``value`` replicated on the devices of ``variable``'s value when it is committed elsewhere.
+    """In cross-replica context, ``value`` replicated on ``variable``'s devices when it is committed elsewhere.
 
     ``strategy.reduce`` returns one device's copy; TF copies it implicitly where a
     distributed variable (a metric's total, a MirroredVariable) adds it in cross-replica
     context: ``train_loss.update_state(strategy.reduce("SUM", losses, axis=None))``.
     """
+    if _context.current_replica_context() is not None:
+        return value  # inside strategy.run (a replica's own copies): as it is
     current = getattr(variable, "_value", None)
     if not (isinstance(value, jax.Array) and isinstance(current, jax.Array)) or isinstance(value, jax.core.Tracer) \
             or isinstance(current, jax.core.Tracer) or not value.committed:
