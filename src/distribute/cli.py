@@ -80,10 +80,18 @@ def build_parser() -> argparse.ArgumentParser:
 def _validate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if args.replicas is not None and args.replicas < 1:
         parser.error(f"--replicas {args.replicas}: must be at least 1")
+    launcher = ("python -m distribute.launch --num-workers N --devices-per-worker K -m distribute train "
+                "--strategy multi_worker_mirrored")
     if args.strategy != "mirrored" and args.replicas not in (None, 1):
+        if args.strategy == "multi_worker_mirrored":
+            parser.error(f"--replicas {args.replicas}: multi_worker_mirrored takes its replicas from the cluster "
+                         f"(workers x devices per worker); run it under the launcher: {launcher}")
         per = " per worker" if args.strategy == "parameter_server" else ""
         parser.error(f"--replicas {args.replicas} needs --strategy mirrored ({args.strategy} has one replica{per})")
     for flag, value in (("--num-workers", args.num_workers), ("--num-ps", args.num_ps)):
+        if value is not None and args.strategy == "multi_worker_mirrored" and flag == "--num-workers":
+            parser.error(f"--num-workers {value} is for --strategy parameter_server; multi_worker_mirrored "
+                         f"gets its workers from the launcher: {launcher}")
         if value is not None and args.strategy != "parameter_server":
             parser.error(f"{flag} {value} needs --strategy parameter_server ({args.strategy} has no ps cluster)")
         if value is not None and value < 1:

@@ -110,9 +110,9 @@ class DistributedDataset:
     def from_dataset(cls, strategy: Any, dataset: Any, options: InputOptions | None) -> DistributedDataset:
         dataset = as_dataset(dataset, "experimental_distribute_dataset")
         if options is not None and options.experimental_replication_mode is InputReplicationMode.PER_REPLICA:
-            raise ValueError(
-                "InputReplicationMode.PER_REPLICA is only valid with "
-                "distribute_datasets_from_function (as TF)."
+            raise NotImplementedError(  # TF 2.21's class and text
+                "InputReplicationMode.PER_REPLICA is only supported in "
+                "`distribute_datasets_from_function`."
             )
         info = dataset._batch_info
         num_replicas = strategy.num_replicas_in_sync

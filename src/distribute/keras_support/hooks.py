@@ -30,7 +30,9 @@ import inspect
 import weakref
 from typing import Any
 
+import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec
 
 from distribute import _context, sync_on_read
 from distribute._keras import (
@@ -141,7 +143,8 @@ def _additive(original):
 
         scope = get_stateless_scope()
         if not isinstance(scope, LiftingScope):
-            return original(self, value)
+            # Outside any (stateless) scope: the user's cross-replica code.
+            return original(self, _to_variable_devices(self, value) if scope is None else value)
         scope.additive_depth += 1
         try:
             return original(self, value)
@@ -149,6 +152,27 @@ def _additive(original):
             scope.additive_depth -= 1
 
     return method
+
+
+def _to_variable_devices(variable: Any, value: Any) -> Any:
+    """In cross-replica context, ``value`` replicated on ``variable``'s devices when it is committed elsewhere.
+
+    ``strategy.reduce`` returns one device's copy; TF copies it implicitly where a
+    distributed variable (a metric's total, a MirroredVariable) adds it in cross-replica
+    context: ``train_loss.update_state(strategy.reduce("SUM", losses, axis=None))``.
+    """
+    if _context.current_replica_context() is not None:
+        return value  # inside strategy.run (a replica's own copies): as it is
+    current = getattr(variable, "_value", None)
+    if not (isinstance(value, jax.Array) and isinstance(current, jax.Array)) or isinstance(value, jax.core.Tracer) \
+            or isinstance(current, jax.core.Tracer) or not value.committed:
+        return value
+    devices = current.sharding.device_set
+    if value.sharding.device_set == devices:
+        return value
+    mesh = getattr(current.sharding, "mesh", None)
+    target = NamedSharding(mesh, PartitionSpec()) if mesh is not None else current.sharding
+    return jax.device_put(value, target)
 
 
 def _batch_norm_init(original):

@@ -52,7 +52,7 @@ from distribute.tracing import check_ownership
 def install() -> None:
     # On the base class: Keras' load_model compares type(model).compile with Trainer.compile.
     patch(Trainer, "compile", _compile_wrapper)
-    for name in ("fit", "evaluate", "predict"):
+    for name in ("fit", "evaluate", "predict", "train_on_batch", "test_on_batch", "predict_on_batch"):
         patch(JAXTrainer, name, _in_scope)
     for kind in _KINDS:
         patch(JAXTrainer, f"make_{kind}_function", functools.partial(_routed, kind=kind))
@@ -127,7 +127,7 @@ def _compile_wrapper(original):
 
 
 def _in_scope(original):
-    """fit/evaluate/predict: read distribute.data.Dataset inputs, and run in the model's strategy scope."""
+    """fit/evaluate/predict and the *_on_batch methods: read distribute.data.Dataset inputs, run in the model's strategy scope."""
 
     def method(self, *args, **kwargs):
         args = tuple(adapt(a) if i == 0 else a for i, a in enumerate(args))
@@ -135,8 +135,8 @@ def _in_scope(original):
             if name in kwargs:
                 kwargs[name] = adapt(kwargs[name])
         strategy = model_strategy(self)
-        if strategy is None:
-            return original(self, *args, **kwargs)
+        if strategy is None or (original.__name__.endswith("_on_batch") and not hasattr(strategy.extended, "replica_mesh")):
+            return original(self, *args, **kwargs)  # *_on_batch: mesh strategies only (ParameterServerStrategy: as before)
         if original.__name__ == "fit":
             self.__dict__["_distribute_partial_rows"] = _partial_rows(args, kwargs)
         try:
