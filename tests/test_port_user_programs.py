@@ -225,10 +225,7 @@ def test_uneven_batch_reduce_and_gather_give_tf_rows():
         s3.reduce("SUM", batch, axis=None)  # TF: InvalidArgumentError from AddN
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "reduce(MEAN, axis=0) of the uneven int64 batch [0,2,4 | 6,8,10 | 12]: TF 2.21 gives exactly 6.0 "
-    "(float64 truediv of the sum 42 by 7); here 6.0000005 (float32; XLA:CPU's jnp.mean divides by a "
-    "reciprocal multiply: jnp.mean(jnp.arange(0, 14, 2)) is 6.0000005 too)."))
+# TF 2.21: exactly 6.0 (the sum 42 truly divided by 7); was 6.0000005 (jnp.mean's reciprocal multiply).
 def test_reduce_mean_of_uneven_ints_is_exact_as_tf():
     s3 = mirrored(3)
     batch = next(iter(s3.experimental_distribute_dataset(distribute.data.Dataset.range(7).map(lambda x: x * 2).batch(7))))

@@ -19,7 +19,26 @@ from distribute.values import PerReplica, ReduceOp
 def reduce_plain(op: ReduceOp, value: jax.Array, axis: int | None) -> jax.Array:
     if axis is None:
         return value
-    return jnp.sum(value, axis=axis) if op is ReduceOp.SUM else jnp.mean(value, axis=axis)
+    return jnp.sum(value, axis=axis) if op is ReduceOp.SUM else _mean(value, axis)
+
+
+def _mean(value: jax.Array, axis: Any) -> jax.Array:
+    """``jnp.mean``, but the sum divided by the count as a true division (TF's truediv).
+
+    ``jnp.mean`` divides by a constant, which XLA:CPU turns into a multiply by its
+    reciprocal: the mean of [0, 2, .., 12] is then 6.0000005, where TF gives 6.0.
+    The count goes in as an argument of the program, so the division stays a division.
+    """
+    axes = tuple(range(value.ndim)) if axis is None else (axis if isinstance(axis, tuple) else (axis,))
+    count = int(np.prod([value.shape[a] for a in axes]))
+    total = jnp.sum(value, axis=axis)
+    dtype = total.dtype if jnp.issubdtype(total.dtype, jnp.inexact) else jnp.result_type(float)
+    return _divide(total.astype(dtype), np.asarray(count, dtype))
+
+
+@jax.jit
+def _divide(total: jax.Array, count: jax.Array) -> jax.Array:
+    return total / count
 
 
 def _check_axis(axis: int, ndim: int) -> int:
@@ -55,7 +74,7 @@ def reduce_per_replica(op: ReduceOp, value: PerReplica, axis: int | None) -> jax
     axis = _check_axis(axis, ndim)
     if lengths is not None and axis == 0:
         rows = gather_per_replica(value, 0)
-        return jnp.sum(rows, axis=0) if op is ReduceOp.SUM else jnp.mean(rows, axis=0)
+        return jnp.sum(rows, axis=0) if op is ReduceOp.SUM else _mean(rows, 0)
     if lengths is not None:
         raise ValueError(
             f"Per-replica values have different batch sizes {lengths.tolist()}; reducing "
@@ -64,17 +83,17 @@ def reduce_per_replica(op: ReduceOp, value: PerReplica, axis: int | None) -> jax
     return _jit_reduce_axis(op.value, array, axis + 1)
 
 
-@functools.partial(jax.jit, static_argnums=(0,))
 def _jit_reduce_replicas(op: str, array: jax.Array) -> jax.Array:
-    return jnp.sum(array, axis=0) if op == "SUM" else jnp.mean(array, axis=0)
+    return _jit_sum(array, (0,)) if op == "SUM" else _mean(array, 0)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 2))
 def _jit_reduce_axis(op: str, array: jax.Array, axis: int) -> jax.Array:
-    reduced = jnp.sum(array, axis=(0, axis))
-    if op == "MEAN":
-        reduced = reduced / (array.shape[0] * array.shape[axis])
-    return reduced
+    return _jit_sum(array, (0, axis)) if op == "SUM" else _mean(array, (0, axis))
+
+
+@functools.partial(jax.jit, static_argnums=(1,))
+def _jit_sum(array: jax.Array, axes: tuple) -> jax.Array:
+    return jnp.sum(array, axis=axes)
 
 
 def gather_per_replica(value: PerReplica, axis: int) -> jax.Array:
