@@ -121,7 +121,13 @@ def _compile_wrapper(original):
         if strategy is None:
             return original(self, *args, **kwargs)
         with strategy.scope():
-            return original(self, *args, **kwargs)
+            result = original(self, *args, **kwargs)
+        from distribute.keras_support.hooks import adopt_metrics_made_outside
+
+        given = [kwargs.get(name, args[i] if len(args) > i else None) for i, name in ((3, "metrics"), (4, "weighted_metrics"))]
+        metrics = [m for m in tree.flatten(given) if isinstance(m, keras.metrics.Metric)]
+        adopt_metrics_made_outside(strategy, [v for m in metrics for v in m.variables])
+        return result
 
     return compile
 
