@@ -308,32 +308,6 @@ def describe_owner(variable: Any) -> str:
     return describe_object(owner) if owner is not None else f"Keras variable '{variable.path}' (of a layer or model)"
 
 
-def adopt_metrics_made_outside(strategy: Any, variables: list) -> None:
-    """Makes the variables of metrics created outside every scope ``strategy``'s (TF's answer for compile).
-
-    A metric object created outside ``strategy.scope()`` (TF's tutorials build
-    ``METRICS = [...]`` at module level) and passed to ``compile`` inside it
-    trains in TF as if it had been created inside.  Its state variables here are
-    replicated onto the strategy's devices, keeping their value (the cross-replica
-    value of a SyncOnRead SUM variable), and belong to ``strategy`` from then on.
-    Only metric state (SyncOnRead variables; never layers' or optimizers'
-    variables) of no strategy is taken.
-    """
-    if getattr(strategy, "_is_default", False) or not hasattr(strategy.extended, "replica_mesh"):
-        return
-    sharding = strategy.extended.replica_mesh.replicated_sharding
-    for var in variables:
-        # A metric's state: SyncOnRead (Keras' Metric.add_variable), of no strategy yet.
-        if getattr(var, "_distribute_strategy", None) is not None or var._value is None or var.synchronization != "on_read":
-            continue
-        var._distribute_strategy = strategy
-        var._layout = sharding
-        var._value = jax.device_put(var._value, sharding)
-        owner = _owner(var)
-        if isinstance(owner, Metric) and getattr(owner, "_distribute_strategy", None) is None:
-            object.__setattr__(owner, "_distribute_strategy", strategy)
-
-
 def ownership_error(strategy: Any, variable: Any) -> ValueError:
     """The error for ``variable`` used with ``strategy`` but not made in its scope; names the user's object."""
     owner = _owner(variable)

@@ -122,14 +122,36 @@ def _compile_wrapper(original):
             return original(self, *args, **kwargs)
         with strategy.scope():
             result = original(self, *args, **kwargs)
-        from distribute.keras_support.hooks import adopt_metrics_made_outside
-
         given = [kwargs.get(name, args[i] if len(args) > i else None) for i, name in ((3, "metrics"), (4, "weighted_metrics"))]
-        metrics = [m for m in tree.flatten(given) if isinstance(m, keras.metrics.Metric)]
-        adopt_metrics_made_outside(strategy, [v for m in metrics for v in m.variables])
+        _adopt_metrics_made_outside(strategy, [m for m in tree.flatten(given) if isinstance(m, keras.metrics.Metric)])
         return result
 
     return compile
+
+
+def _adopt_metrics_made_outside(strategy: Any, metrics: list) -> None:
+    """Makes metrics created outside every scope ``strategy``'s (TF's answer for compile).
+
+    A metric object created outside ``strategy.scope()`` (TF's tutorials build
+    ``METRICS = [...]`` at module level) and passed to ``compile`` inside it
+    trains in TF as if it had been created inside.  Its state (SyncOnRead
+    variables) is replicated onto the strategy's devices, keeping its value (the
+    cross-replica value), and belongs to ``strategy`` from then on.  Layers' and
+    optimizers' variables are never taken (a model or optimizer made outside stays
+    a ValueError).
+    """
+    if getattr(strategy, "_is_default", False) or not hasattr(strategy.extended, "replica_mesh"):
+        return
+    sharding = strategy.extended.replica_mesh.replicated_sharding
+    for metric in metrics:
+        if getattr(metric, "_distribute_strategy", None) is not None:
+            continue
+        for var in metric.variables:
+            if getattr(var, "_distribute_strategy", None) is None and var._value is not None and var.synchronization == "on_read":
+                var._distribute_strategy = strategy
+                var._layout = sharding
+                var._value = jax.device_put(var._value, sharding)
+        object.__setattr__(metric, "_distribute_strategy", strategy)
 
 
 def _in_scope(original):
