@@ -85,11 +85,25 @@ def _role(role: str, out: str, samples: int, epochs: int) -> None:
     else:
         strategy = distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
         me = 0
-    result = _measure(strategy, samples, epochs)
+    profile = os.environ.get("MW_STEP_PROFILE")  # a path prefix: cProfile of the measurement, one file per worker
+    if profile:
+        import cProfile
+
+        profiler = cProfile.Profile()
+        result = profiler.runcall(_measure, strategy, samples, epochs)
+        profiler.dump_stats(f"{profile}.{role}{me}.prof")
+    else:
+        result = _measure(strategy, samples, epochs)
     Path(out, f"{role}{me}.json").write_text(json.dumps(result))
 
 
 def _run(kind: str, src: Path, args) -> dict:
+    if kind.startswith("jax "):
+        from multi_worker_floor import measure
+
+        record = measure(kind.split()[1], steps=(args.samples // GLOBAL_BATCH) * args.epochs, samples=args.samples, timeout=args.timeout)
+        record.setdefault("input_ms_per_step", float("nan"))
+        return record
     out = tempfile.mkdtemp(prefix="mwstep")
     env = {"KERAS_BACKEND": "jax", "PYTHONPATH": str(src), "JAX_PLATFORMS": "cpu"}
     cmd = [str(Path(__file__)), "--role", "worker" if kind != "single" else "single", "--role-out", out,
@@ -126,6 +140,8 @@ def main(argv=None) -> int:
     p.add_argument("--samples", type=int, default=60_000)
     p.add_argument("--timeout", type=float, default=400.0)
     p.add_argument("--baseline-src", default=None, help="another commit's src/: adds 2-worker runs with it")
+    p.add_argument("--floor", action="store_true",
+                   help="adds bare-JAX runs on 2 processes (multi_worker_floor.py): the mlp step, and its all-reduce alone")
     p.add_argument("--out", default=str(HERE / "results" / "multi_worker"))
     p.add_argument("--role", choices=("worker", "single"), default=None, help=argparse.SUPPRESS)
     p.add_argument("--role-out", default=None, help=argparse.SUPPRESS)
@@ -138,40 +154,48 @@ def main(argv=None) -> int:
 
     env = environment(argparse.Namespace(platform="cpu", tf_python=None))  # date and load at the start
     kinds = [("single", SRC), ("2x1", SRC)] + ([("2x1 baseline", Path(args.baseline_src).resolve())] if args.baseline_src else [])
+    kinds += [("jax step 2x1", SRC), ("jax psum 2x1", SRC)] if args.floor else []
     runs: list = []
     started = time.perf_counter()
     for repeat in range(args.repeats):
         order = kinds[repeat % len(kinds):] + kinds[:repeat % len(kinds)]
         for kind, src in order:
             record = _run(kind, src, args)
-            runs.append({"kind": kind, "repeat": repeat, **record})
-            shown = f"{record['examples_per_second']:,.0f} ex/s, input {record['input_ms_per_step']:.3f} ms/step" if record["ok"] else "FAILED " + record["error"][-200:]
+            runs.append({**record, "kind": kind, "repeat": repeat})
+            shown = f"{record['examples_per_second']:,.0f} ex/s, {record['step_ms']:.2f} ms/step, input {record['input_ms_per_step']:.3f} ms/step" if record["ok"] else "FAILED " + record["error"][-200:]
             print(f"[{repeat + 1}/{args.repeats}] {kind}: {shown}", flush=True)
     rows = []
     for kind, _ in kinds:
         ok = [r for r in runs if r["kind"] == kind and r["ok"]]
         row = {"kind": kind, "runs_ok": len(ok), "runs": len([r for r in runs if r["kind"] == kind])}
         for field in ("examples_per_second", "step_ms", "input_ms_per_step"):
-            values = [r[field] for r in ok]
+            values = [r[field] for r in ok if r[field] == r[field]]  # the bare-JAX runs have no input-only pass (nan)
             row[field] = {"median": statistics.median(values), "min": min(values), "max": max(values)} if values else None
         rows.append(row)
     single = rows[0]["examples_per_second"]
+    floor = next((r["examples_per_second"] for r in rows if r["kind"] == "jax step 2x1"), None)
+    floor_note = [] if floor is None else [
+        "- `jax step 2x1`: hand-written JAX doing the same step on the same 2 processes (no `distribute` code), "
+        "`jax psum 2x1`: only its gradient all-reduce; `x jax 2x1` compares with the first, the floor of a "
+        "2-worker step here"]
     lines = ["# Multi-worker step cost", "",
              f"- date: {env['date']}; host CPU: {env['cpu_model']} ({env['cpu_count']} cores); load average at start: "
              + ", ".join(f"{x:.2f}" for x in env["loadavg_at_start"]),
              f"- jax {env['jax']}, keras {env['keras']}; git {git_state()}; baseline src: {args.baseline_src or '-'}",
              f"- mlp custom loop, global batch {GLOBAL_BATCH}, {args.epochs} timed epochs after 1 warm-up, {args.repeats} interleaved repeats; "
-             f"total {time.perf_counter() - started:.0f} s", "",
-             "| run | examples/s | min-max | x one process | ms/step | input-only ms/step (min-max) | ok |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             f"total {time.perf_counter() - started:.0f} s", *floor_note, "",
+             "| run | examples/s | min-max | x one process | x jax 2x1 | ms/step (min-max) | input-only ms/step (min-max) | ok |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for row in rows:
         e, s, i = row["examples_per_second"], row["step_ms"], row["input_ms_per_step"]
         if e is None:
-            lines.append(f"| {row['kind']} | - | - | - | - | - | 0/{row['runs']} |")
+            lines.append(f"| {row['kind']} | - | - | - | - | - | - | 0/{row['runs']} |")
             continue
-        ratio = e["median"] / single["median"] if single else float("nan")
-        lines.append(f"| {row['kind']} | {e['median']:,.0f} | {e['min']:,.0f}-{e['max']:,.0f} | {ratio:.2f} | {s['median']:.2f} "
-                     f"| {i['median']:.3f} ({i['min']:.3f}-{i['max']:.3f}) | {row['runs_ok']}/{row['runs']} |")
+        ratio = f"{e['median'] / single['median']:.2f}" if single else "-"
+        to_floor = f"{e['median'] / floor['median']:.2f}" if floor else "-"
+        shown_input = f"{i['median']:.3f} ({i['min']:.3f}-{i['max']:.3f})" if i else "-"
+        lines.append(f"| {row['kind']} | {e['median']:,.0f} | {e['min']:,.0f}-{e['max']:,.0f} | {ratio} | {to_floor} "
+                     f"| {s['median']:.2f} ({s['min']:.2f}-{s['max']:.2f}) | {shown_input} | {row['runs_ok']}/{row['runs']} |")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps({"environment": env, "rows": rows, "runs": runs, "argv": sys.argv}, indent=1))

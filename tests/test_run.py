@@ -268,3 +268,21 @@ def test_small_outputs_reduce_without_a_second_program_and_agree_with_the_genera
     general = distribute.PerReplica._from_array(strategy, out["loss"]._array)  # no fused sum
     assert float(strategy.reduce("SUM", general, axis=None)) == 6.0
     np.testing.assert_allclose(strategy.reduce("SUM", out["big"], axis=None), np.full((100,), 3.0))
+
+
+def test_reducing_a_steps_own_sum_queues_no_program():
+    # The in-flight bound counts programs; strategy.reduce(SUM, step output) only reads the
+    # sum the step's program made, so it must not take a step's place in the queue.
+    strategy = mirrored(2)
+    values = strategy.experimental_distribute_values_from_function(lambda ctx: np.float32(ctx.replica_id_in_sync_group + 1))
+    out = strategy.run(lambda v: v * 2.0, args=(values,))
+    in_flight = strategy.extended._in_flight
+    queued, last = len(in_flight), in_flight[-1]
+    total = strategy.reduce("SUM", out, axis=None)
+    assert float(total) == 6.0
+    assert len(in_flight) == queued and in_flight[-1] is last
+    mean = strategy.reduce("MEAN", out, axis=None)  # divides: a program of its own, counted
+    assert float(mean) == 3.0 and in_flight[-1] is mean
+    general = distribute.PerReplica._from_array(strategy, out._array)  # no fused sum: reduced by a program
+    total = strategy.reduce("SUM", general, axis=None)
+    assert float(total) == 6.0 and in_flight[-1] is total

@@ -55,6 +55,14 @@ def _without_uniform_padding(value: PerReplica) -> tuple[jax.Array, np.ndarray |
     return array, lengths
 
 
+def reduce_dispatches_nothing(op: ReduceOp, value: Any, axis: int | None) -> bool:
+    """Whether ``strategy.reduce(op, value, axis)`` only reads sums its step's program made (no program of its own)."""
+    if op is not ReduceOp.SUM or axis is not None:
+        return False
+    leaves = jax.tree_util.tree_leaves(value, is_leaf=lambda v: isinstance(v, PerReplica))
+    return bool(leaves) and all(isinstance(v, PerReplica) and v._sum is not None for v in leaves)
+
+
 def reduce_per_replica(op: ReduceOp, value: PerReplica, axis: int | None) -> jax.Array:
     if axis is None and value._sum is not None:
         # Summed in the step's program already; one device's copy, as TF returns a

@@ -141,7 +141,10 @@ class Strategy:
         value = _sync_on_read_as_per_replica(value)
         self._check_values_are_ours(value, "reduce")
         result = jax.tree_util.tree_map(lambda v: self._reduce_one(op, v, axis), value, is_leaf=is_distributed)
-        self._extended.record_dispatch(result)
+        if not collectives.reduce_dispatches_nothing(op, value, axis):
+            # A SUM the step's program computed already is not a program of its own: counting
+            # it would halve the steps the in-flight bound lets the loop queue.
+            self._extended.record_dispatch(result)
         return result
 
     def gather(self, value: Any, axis: int) -> Any:

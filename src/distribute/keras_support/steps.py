@@ -14,8 +14,8 @@ Exactness (results equal one device's):
   Keras' ``sum_over_batch_size`` the replicas' losses add up to the loss of the
   whole batch; gradients are summed over replicas;
 * losses added by layers (regularization) are divided by the replica count;
-* the loss tracker is fed the whole batch's loss once (by replica 0); metric
-  variables are summed over replicas (sync-on-read SUM).
+* metric variables are summed over replicas (sync-on-read SUM); then every
+  replica feeds the loss tracker the whole batch's loss (identical everywhere).
 """
 
 from __future__ import annotations
@@ -140,26 +140,32 @@ def _compiled_metrics(model, metrics_vars, x, y, y_pred, sample_weight) -> list:
     return [old if scope.get_current_value(ref) is None else scope.get_current_value(ref) for ref, old in zip(model.metrics_variables, metrics_vars)]
 
 
-def _update_metrics(model, context, start_vars, metrics_vars, global_loss, output_losses):
-    """Updates the loss trackers (once, by replica 0) and sums the metric variables over replicas.
+def _update_metrics(model, context, start_vars, metrics_vars, loss, output_losses):
+    """Sums the metric variables over replicas, then updates the loss trackers with the whole batch's loss.
 
     ``start_vars`` are the metric variables at the start of the step: each
-    replica's change since then is added up (sync-on-read SUM).
+    replica's change since then is added up (sync-on-read SUM).  ``loss`` and
+    ``output_losses`` are this replica's shares.  The replicas' losses are summed
+    beside the metrics' changes (neither waits for the other, so XLA makes one
+    all-reduce of them and the gradients); every replica then feeds each tracker
+    the same whole-batch loss, weighted by the batch's rows, as one device does:
+    the trackers come out identical on every replica with no further exchange.
     """
-    first = context.replica_id_in_sync_group == 0
-    weight = jnp.where(first, jnp.float32(context._global_rows), jnp.float32(0.0))
-    mapping = list(zip(model.metrics_variables, metrics_vars))
+    global_loss = context.all_reduce("SUM", loss)
+    output_totals = [None if value is None else context.all_reduce("SUM", value) for value in output_losses]
+    combined = context._combine_all(list(model.metrics_variables), list(metrics_vars), list(start_vars))
+    weight = jnp.float32(context._global_rows)
+    mapping = list(zip(model.metrics_variables, combined))
     with keras_backend.StatelessScope(state_mapping=mapping) as scope:
         model._loss_tracker.update_state(global_loss, sample_weight=weight)
         trackers = getattr(getattr(model, "_compile_loss", None), "metrics", None) or []
-        for tracker, value in zip(trackers, output_losses):
+        for tracker, value in zip(trackers, output_totals):
             if value is not None:
-                tracker.update_state(context.all_reduce("SUM", value), sample_weight=weight)
+                tracker.update_state(value, sample_weight=weight)
     new = []
-    for ref, old in zip(model.metrics_variables, metrics_vars):
+    for ref, old in zip(model.metrics_variables, combined):
         value = scope.get_current_value(ref)
         new.append(old if value is None else value)
-    new = context._combine_all(list(model.metrics_variables), new, list(start_vars))
     with keras_backend.StatelessScope(state_mapping=list(zip(model.metrics_variables, new))):
         logs = model.get_metrics_result()
     return logs, new
@@ -226,7 +232,7 @@ def train_step(model: Any, strategy: Any, variables: list, treedef: Any):
         context = _context.current_replica_context()
         trainable, non_trainable, opt_vars, metrics_vars = state
         loss, new_non_trainable, new_metrics, output_losses, grads = local(context, trainable, non_trainable, opt_vars, metrics_vars, leaves)
-        logs, new_metrics = _update_metrics(model, context, metrics_vars, new_metrics, context.all_reduce("SUM", loss), output_losses)
+        logs, new_metrics = _update_metrics(model, context, metrics_vars, new_metrics, loss, output_losses)
         grads = context._sum_gradients(grads)
         with _context.leave_replica():  # the hooked optimizer would sum again
             new_trainable, new_opt = model.optimizer.stateless_apply(opt_vars, grads, trainable)
@@ -258,7 +264,7 @@ def test_step(model: Any, strategy: Any, variables: list, treedef: Any):
         context = _context.current_replica_context()
         trainable, non_trainable, metrics_vars = state
         loss, new_non_trainable, new_metrics, output_losses = local(context, trainable, non_trainable, metrics_vars, leaves)
-        logs, new_metrics = _update_metrics(model, context, metrics_vars, new_metrics, context.all_reduce("SUM", loss), output_losses)
+        logs, new_metrics = _update_metrics(model, context, metrics_vars, new_metrics, loss, output_losses)
         return logs, (list(trainable), context._combine_all(variables[1], new_non_trainable, non_trainable), new_metrics)
 
     return step
