@@ -274,14 +274,32 @@ def test_cross_device_ops_match_tf(name):
 
 
 # -- objects made outside the scope -----------------------------------------------------------------
-def test_metric_created_outside_the_scope_is_refused_naming_it():
+def test_metric_created_outside_the_scope_and_compiled_inside_trains_as_if_made_inside():
+    # TF: a metric object built outside (METRICS = [...] at module level) and compiled in the scope trains.
+    x, y = np.arange(16, dtype=np.float32).reshape(8, 2) / 16, np.arange(8, dtype=np.float32).reshape(8, 1) / 8
+    histories = []
+    for outside in (True, False):
+        s = mirrored(2)
+        mae = keras.metrics.MeanAbsoluteError(name="my_mae") if outside else None
+        with s.scope():
+            keras.utils.set_random_seed(0)
+            model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+            model.compile("sgd", "mse", metrics=[mae if outside else keras.metrics.MeanAbsoluteError(name="my_mae")])
+        histories.append(model.fit(x, y, batch_size=4, epochs=2, verbose=0, shuffle=False).history)
+    assert histories[0]["my_mae"] == histories[1]["my_mae"] and histories[0]["loss"] == histories[1]["loss"]
+    assert histories[0]["my_mae"][1] < histories[0]["my_mae"][0]
+
+
+def test_metric_created_outside_the_scope_is_refused_in_strategy_run_naming_it():
     s = mirrored(2)
     mae = keras.metrics.MeanAbsoluteError(name="my_mae")
-    with s.scope():
-        model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
-        model.compile("sgd", "mse", metrics=[mae])
+
+    def step():
+        mae.update_state(jnp.ones((2, 1)), jnp.zeros((2, 1)))
+        return 0.0
+
     with pytest.raises(ValueError, match=r"metric 'MeanAbsoluteError' \(name 'my_mae'\) was created outside any strategy.scope\(\)"):
-        model.fit(np.ones((4, 2), np.float32), np.ones((4, 1), np.float32), batch_size=4, verbose=0)
+        s.run(step)
 
 
 def test_optimizer_created_in_scope_but_built_outside_says_so():
