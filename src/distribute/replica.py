@@ -72,8 +72,10 @@ class ReplicaContext:
             ValueError: unknown reduce op.
         """
         op = ReduceOp.from_value(reduce_op)
-        if not self._in_program or self.num_replicas_in_sync == 1:
+        if not self._in_program:
             return jax.tree_util.tree_map(jnp.asarray, value)
+        # Also with one replica: the psum is free there and types the value as the same on every
+        # replica, which the program's replicated outputs (P()) need.
         reduce = lax.psum if op is ReduceOp.SUM else lax.pmean
         return jax.tree_util.tree_map(lambda v: reduce(jnp.asarray(v), AXIS), value)
 
