@@ -30,15 +30,14 @@ def _mean(value: jax.Array, axis: Any) -> jax.Array:
     The count goes in as an argument of the program, so the division stays a division.
     """
     axes = tuple(range(value.ndim)) if axis is None else (axis if isinstance(axis, tuple) else (axis,))
-    count = int(np.prod([value.shape[a] for a in axes]))
-    total = jnp.sum(value, axis=axis)
+    return _sum_divided(value, axes, np.asarray(np.prod([value.shape[a] for a in axes]), np.int32))
+
+
+@functools.partial(jax.jit, static_argnums=(1,))
+def _sum_divided(value: jax.Array, axes: tuple, count: jax.Array) -> jax.Array:
+    total = jnp.sum(value, axis=axes)
     dtype = total.dtype if jnp.issubdtype(total.dtype, jnp.inexact) else jnp.result_type(float)
-    return _divide(total.astype(dtype), np.asarray(count, dtype))
-
-
-@jax.jit
-def _divide(total: jax.Array, count: jax.Array) -> jax.Array:
-    return total / count
+    return total.astype(dtype) / count.astype(dtype)
 
 
 def _check_axis(axis: int, ndim: int) -> int:

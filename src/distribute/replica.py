@@ -85,7 +85,7 @@ class ReplicaContext:
         Per-replica ``(b, ...)`` -> ``(num_replicas_in_sync * b, ...)`` for axis 0,
         on every replica, in replica order.
         """
-        if not self._in_program or self.num_replicas_in_sync == 1:
+        if not self._in_program:
             return jax.tree_util.tree_map(jnp.asarray, value)
 
         def gather(v: Any) -> jax.Array:

@@ -9,7 +9,7 @@ from collections.abc import Mapping, Sequence
 
 
 from distribute.launch._tasks import (
-    EXIT_TIMEOUT, _POLL_SECONDS, LaunchResult, TaskResult, _command, _describe, _Output, _Signals, _status, _stop, _Task,
+    EXIT_TIMEOUT, _POLL_SECONDS, LaunchResult, _command, _describe, _Output, _result, _Signals, _status, _stop, _Task,
     free_ports, task_environment,
 )
 
@@ -102,8 +102,4 @@ def launch_parameter_server(argv_or_command: Sequence[str] | str, num_workers: i
             _stop(tasks, signal.SIGKILL, 0.0, signals)
             for task in tasks:
                 task.join_readers(2.0)
-    results = tuple(TaskResult(t.task_type, t.task_id, t.proc.returncode, "".join(output.by_task.get(t.name, [])))
-                    for t in tasks)
-    output.note(f"exit codes: {', '.join(f'{r.name}: {r.exit_code}' for r in results)}; exiting with {returncode}")
-    return LaunchResult(returncode, results, "".join(output.lines), failed.name if failed is not None else None,
-                        timed_out)
+    return _result(tasks, output, returncode, failed, timed_out)

@@ -363,6 +363,11 @@ def launch(argv_or_command: Sequence[str] | str, num_workers: int, devices_per_w
             _stop(tasks, signal.SIGKILL, 0.0, signals)  # no-op unless interrupted above
             for task in tasks:
                 task.join_readers(2.0)
+    return _result(tasks, output, returncode, failed, timed_out)
+
+
+def _result(tasks: list[_Task], output: _Output, returncode: int, failed: _Task | None, timed_out: bool) -> LaunchResult:
+    """The LaunchResult of ended ``tasks``, after noting every task's exit code."""
     results = tuple(
         TaskResult(t.task_type, t.task_id, t.proc.returncode, "".join(output.by_task.get(t.name, [])))
         for t in tasks
