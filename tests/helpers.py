@@ -59,3 +59,20 @@ def assert_tree_close(actual, expected, *, rtol=0.0, atol=0.0) -> None:
     assert len(actual) == len(expected)
     for a, e in zip(actual, expected):
         np.testing.assert_allclose(np.asarray(a), np.asarray(e), rtol=rtol, atol=atol)
+
+
+def kill_actor_and_wait(ray, handle, seconds: float = 120.0) -> None:
+    """Kills a Ray actor and returns once its process is gone (TF's ``kill_task`` returns once the task is down).
+
+    ``ray.kill`` returns at once and Ray reports the actor dead at once, while its
+    process can still run (and answer a ps channel) for a fraction of a second.
+    """
+    import os
+    import time
+
+    pid = ray.get(handle.__ray_call__.remote(lambda self: os.getpid()), timeout=seconds)
+    ray.kill(handle, no_restart=True)
+    deadline = time.monotonic() + seconds
+    while os.path.exists(f"/proc/{pid}") and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not os.path.exists(f"/proc/{pid}"), f"actor process {pid} still runs {seconds} s after ray.kill"

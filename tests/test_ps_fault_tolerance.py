@@ -13,6 +13,7 @@ import time
 import keras
 import numpy as np
 import pytest
+from helpers import kill_actor_and_wait
 
 import distribute
 from distribute.coordinator import ClusterCoordinator
@@ -134,7 +135,7 @@ def test_ps_failure_is_raised_by_join_and_cancels(cluster, ray_instance):
     # TF testJoinRaisesUnavailableErrorAtPsFailure / testScheduleRaises...: kill ps 0; the next join
     # raises within seconds an UnavailableError naming the ps; queued closures are cancelled.
     strategy, coordinator, iterations, w, iterator, train_fn = cluster
-    ray_instance.kill(strategy.extended._cluster.ps[0], no_restart=True)
+    kill_actor_and_wait(ray_instance, strategy.extended._cluster.ps[0])
     started = time.monotonic()
     results = [coordinator.schedule(train_fn, args=(iterator,)) for _ in range(50)]
     with pytest.raises(PSUnavailableError, match=r"parameter server 0 \(ps-0, /job:ps/replica:0/task:0\)") as info:

@@ -5,10 +5,13 @@ traced and serialized with ``jax.export``; the only user Python they run is a
 ``dataset_fn``.  Plans (which variables to pull, where each output goes) are
 plain data built by ``program.py``.
 
-A ps applies each update as it arrives (Ray runs one method of an actor at a
-time, so an update is atomic): optimizer updates run the exported apply program
-on the ps's *current* values and optimizer state; ``deltas`` are added (exact
-totals under asynchrony); ``sets`` overwrite (last writer wins).
+A worker reaches its ps through a direct channel (``channel.py``: a step's
+reads and updates, arrays as raw bytes; Ray carries everything else).  A ps
+applies each update as it arrives, one at a time (a lock covers its channel
+requests and its Ray methods, so an update is atomic): optimizer updates run
+the exported apply program on the ps's *current* values and optimizer state;
+``deltas`` are added (exact totals under asynchrony); ``sets`` overwrite (last
+writer wins).
 
 Every update carries the id of its closure, and a ps applies each closure's
 update at most once.  A worker that dies while pushing may have reached some ps
@@ -17,8 +20,8 @@ ps that already have its update skip the repeat.  So every variable takes each
 scheduled step exactly once, where TF can apply a re-run step twice to some
 variables and once to others.
 
-One Ray call per ps per step.  Each ps counts its mutations (``version``: applied
-updates and coordinator writes).  A push asks its ps for the values its step read
+One exchange with each ps per step.  Each ps counts its mutations (``version``:
+applied updates and coordinator writes).  A push asks its ps for the values its step read
 (``read_back``), taken right after the update; the worker keeps them and its next
 step reads them instead of pulling, if they are at least as new as every version
 the coordinator had observed when it sent that step (results of finished
@@ -27,18 +30,19 @@ everything the coordinator had seen happen before it scheduled the step, and
 (with 1 worker) exactly the values a fresh read would return; other workers'
 updates that landed after that read-back, unobserved, are missed, as TF misses
 updates that land after its step's reads.  The coordinator sends a step's plan
-and the worker sends an apply program to a ps only the first time.
+and the worker sends an apply program to a ps (through Ray) only the first time.
 """
 
 from __future__ import annotations
 
 import collections
+import threading
 from typing import Any
 
 import numpy as np
 
 from distribute.parameter_server.dataset import ElementSpecChanged, element_specs
-from distribute.parameter_server.errors import OutOfRangeError
+from distribute.parameter_server.errors import OutOfRangeError, UnavailableError
 from distribute.parameter_server.worker_context import worker_index_scope
 
 
@@ -48,6 +52,7 @@ _REMEMBERED_CLOSURES = 1 << 16
 # What Worker.run returns on a restarted worker the coordinator has not recovered
 # yet (no iterators, no plans): the coordinator re-queues the closure and recovers it.
 LOST = "lost"
+_PING_SECONDS = 60.0  # a ps that does not answer Ray's ping in this long is treated as lost
 
 
 def _load(cache: dict, program_id: int, box: list | None) -> Any:
@@ -73,11 +78,29 @@ def _rows(parts: list) -> Any:
     return parts[0] if len(parts) == 1 else np.concatenate(parts, axis=0)
 
 
+def _locked(method: Any) -> Any:
+    """Runs ``method`` holding the ps's lock: Ray calls and channel requests apply one at a time."""
+
+    def locked(self: Any, *args: Any, **kwargs: Any) -> Any:
+        with self._lock:
+            return method(self, *args, **kwargs)
+
+    locked.__name__, locked.__doc__ = method.__name__, method.__doc__
+    return locked
+
+
 class ParameterServer:
-    """Holds variable storage keys -> arrays of one ps task (``/job:ps/replica:0/task:<j>``)."""
+    """Holds variable storage keys -> arrays of one ps task (``/job:ps/replica:0/task:<j>``).
+
+    Its workers reach it through its channel (``channel.py``: ``read`` and
+    ``update`` requests); the coordinator and program loads through Ray.  A lock
+    makes each of them atomic.  Stored arrays are replaced, never written in
+    place, so a reply can be sent after the lock is released.
+    """
 
     def __init__(self, task_id: int) -> None:
         self._task_id = task_id
+        self._lock = threading.Lock()
         self._values: dict[int, np.ndarray] = {}
         self._programs: dict[int, Any] = {}
         self._num_updates = 0
@@ -85,10 +108,31 @@ class ParameterServer:
         self._num_reads = 0
         self._applied: set[int] = set()
         self._applied_order: collections.deque[int] = collections.deque()
+        self._server: Any = None
 
     def ping(self) -> int:
         return self._task_id
 
+    @_locked
+    def channel(self) -> tuple:
+        """``(host, port, token)`` of this ps's channel (started on the first call), on its Ray node's address."""
+        if self._server is None:
+            import ray
+
+            from distribute.parameter_server.channel import Server
+
+            self._server = Server(ray.util.get_node_ip_address(), self._request)
+        return self._server.address
+
+    def _request(self, request: tuple) -> Any:
+        kind, *args = request
+        if kind == "update":
+            return self.update(*args)
+        if kind == "read":
+            return self.read(*args)
+        raise ValueError(f"unknown ps request {kind!r}; this is a bug in distribute.")
+
+    @_locked
     def create(self, values: dict) -> int:
         """Stores ``values`` (key -> array); returns this ps's version after the write."""
         for key, value in values.items():
@@ -96,6 +140,7 @@ class ParameterServer:
         self._version += 1
         return self._version
 
+    @_locked
     def read(self, keys: tuple) -> list:
         self._num_reads += 1
         return [self._values[k] for k in keys]
@@ -104,22 +149,27 @@ class ParameterServer:
         """How many ``read`` calls (a worker's pulls; a step that reads a push's read-back makes none)."""
         return self._num_reads
 
+    @_locked
     def read_all(self) -> dict:
         return dict(self._values)
 
     def num_updates(self) -> int:
         return self._num_updates
 
+    @_locked
+    def load(self, program_id: int, box: list) -> None:
+        """Deserializes an apply program a worker sends once, before its first update that uses it."""
+        _load(self._programs, program_id, box)
+
+    @_locked
     def update(self, closure_id: int, applies: list, deltas: list, sets: list, read_back: tuple | None = None) -> Any:
         """Applies one step's updates: optimizer programs, then additive deltas, then sets.
 
-        A second update for the same ``closure_id`` (a re-run closure) is skipped.
-        An apply's program box is None when its worker sent it before.  Returns
-        ``(version, values of the read_back keys or None)`` after the update.
+        ``applies``: ``(program id, owned keys, written keys, foreign values,
+        gradients)`` per program, each loaded before.  A second update for the
+        same ``closure_id`` (a re-run closure) is skipped.  Returns ``(version,
+        values of the read_back keys or None)`` after the update.
         """
-        for program_id, box, *_ in applies:
-            if box is not None:
-                _load(self._programs, program_id, box)
         if closure_id not in self._applied:
             self._apply(closure_id, applies, deltas, sets)
         return self._version, None if read_back is None else [self._values[k] for k in read_back]
@@ -129,8 +179,8 @@ class ParameterServer:
         self._applied_order.append(closure_id)
         if len(self._applied_order) > _REMEMBERED_CLOSURES:
             self._applied.discard(self._applied_order.popleft())
-        for program_id, box, owned, written, foreign_vals, grads in applies:
-            program = _load(self._programs, program_id, box)
+        for program_id, owned, written, foreign_vals, grads in applies:
+            program = _load(self._programs, program_id, None)
             owned_vals = [_rows([self._values[k] for k in keys]) for keys in owned]
             new_vals = program(owned_vals, list(foreign_vals), list(grads))
             for keys, value in zip(written, new_vals):
@@ -185,6 +235,8 @@ class Worker:
         self._plans: dict[int, Any] = {}  # program id -> StepPlan, sent once by the coordinator
         self._sent: set[tuple[int, int]] = set()  # (ps, apply program id) sent to that ps
         self._read_back: dict[int, tuple[int, dict]] = {}  # ps -> (version, key -> value) from the last push
+        self._channels: dict[int, Any] = {}  # ps -> channel.Connection, opened on first use
+        self._addresses: dict[int, tuple] = {}  # ps -> (host, port, token) of its channel
         self._failed: int | None = None  # the id of the last closure that raised here
         self._adopted = not _reconstructed()
 
@@ -258,8 +310,6 @@ class Worker:
 
     def _pull(self, plan: Any, seen: dict) -> dict:
         """ps -> {key: value} of what ``plan`` reads: the last push's read-back where new enough, else a read."""
-        import ray
-
         pulled, pulls = {}, {}
         for j, keys in plan.pull.items():
             kept = self._read_back.get(j)
@@ -267,10 +317,72 @@ class Worker:
                 pulled[j] = kept[1]
             elif keys:
                 self._read_back.pop(j, None)  # older than what this step reads now
-                pulls[j] = self._ps[j].read.remote(keys)
-        for j, vals in zip(pulls, ray.get(list(pulls.values()))):
+                pulls[j] = ("read", keys)
+        for j, vals in self._exchange(pulls).items():
             pulled[j] = dict(zip(plan.pull[j], vals))
         return pulled
+
+    def _exchange(self, requests: dict) -> dict:
+        """Sends each ps ``j`` its request over its channel, then collects the replies: ``{j: reply}``.
+
+        A broken connection (the ps restarted its socket, a network fault, this
+        worker's own restart) is reopened once and the request sent again: a
+        read is repeatable and a repeated update is skipped by the ps (closure
+        ids).  A dead ps surfaces as Ray's actor error from ``_alive`` (the
+        coordinator classifies it as the ps's loss).
+        """
+        failed = []
+        for j, request in requests.items():
+            try:
+                self._connection(j).send(request)
+            except OSError:
+                failed.append(j)
+        replies = {}
+        for j in requests:
+            if j in failed:
+                continue
+            try:
+                replies[j] = self._channels[j].receive()
+            except OSError:
+                failed.append(j)
+        for j in failed:
+            self._drop(j)
+            self._alive(j)
+            try:
+                connection = self._connection(j)
+                connection.send(requests[j])
+                replies[j] = connection.receive()
+            except OSError as error:
+                self._drop(j)
+                self._alive(j)
+                raise UnavailableError(
+                    f"worker {self._index} cannot reach ps {j} ({self._addresses[j][:2]}), which Ray reports "
+                    f"alive: {error!r}. Check the network between the nodes (firewall, the node address)."
+                ) from error
+        return {j: replies[j] for j in requests}
+
+    def _connection(self, j: int) -> Any:
+        connection = self._channels.get(j)
+        if connection is None:
+            import ray
+
+            from distribute.parameter_server.channel import Connection
+
+            if j not in self._addresses:
+                self._addresses[j] = ray.get(self._ps[j].channel.remote())
+            connection = self._channels[j] = Connection(self._addresses[j], lambda: self._alive(j))
+        return connection
+
+    def _drop(self, j: int) -> None:
+        connection = self._channels.pop(j, None)
+        if connection is not None:
+            connection.close()
+
+    def _alive(self, j: int) -> None:
+        """Returns if Ray reports ps ``j`` alive; a dead ps raises Ray's ``RayActorError`` (the ps's loss)."""
+        import ray
+
+        ray.get(self._ps[j].ping.remote(), timeout=_PING_SECONDS)
 
     def _step(self, closure_id: int, plan: Any, box: list | None, args: list, seen: dict) -> tuple[list, dict]:
         import jax
@@ -346,31 +458,41 @@ class Worker:
 
     def _push(self, closure_id: int, plan: Any, outs: list, pulled: dict) -> dict:
         """Sends each ps its part of the update; keeps what each returns; returns ps -> version."""
-        import ray
 
-        per_ps: dict[int, tuple[list, list, list]] = {}
+        # ps -> (applies, deltas, sets, apply program boxes)
+        per_ps: dict[int, tuple[list, list, list, list]] = {}
         for j, program_id, box, owned, written, foreign, grad_slices in plan.applies:
             foreign_vals = [outs[f] if isinstance(f, int) else _rows([pulled[p][k] for p, k in f]) for f in foreign]
             grads = [_rows([outs[pos][a:b] for a, b in bounds]) if bounds else outs[pos] for pos, bounds in grad_slices]
-            box = None if (j, program_id) in self._sent else box
-            per_ps.setdefault(j, ([], [], []))[0].append((program_id, box, owned, written, foreign_vals, grads))
+            lists = per_ps.setdefault(j, ([], [], [], []))
+            lists[0].append((program_id, owned, written, foreign_vals, grads))
+            lists[3].append((program_id, box))
         for kind, targets in ((1, plan.deltas), (2, plan.sets)):
             for pos, shards in targets:
                 value = outs[pos]
                 for j, key, a, b in shards:
                     part = value if a is None else value[a:b]
-                    per_ps.setdefault(j, ([], [], []))[kind].append((key, part))
+                    per_ps.setdefault(j, ([], [], [], []))[kind].append((key, part))
         backs = {j: plan.pull.get(j) or None for j in per_ps}
-        replies = ray.get([self._ps[j].update.remote(closure_id, *lists, backs[j]) for j, lists in per_ps.items()])
-        self._sent.update((j, entry[0]) for j, lists in per_ps.items() for entry in lists[0])
+        self._load_programs(per_ps)
+        replies = self._exchange({j: ("update", closure_id, *lists[:3], backs[j]) for j, lists in per_ps.items()})
         versions = {}
-        for j, (version, values) in zip(per_ps, replies):
+        for j, (version, values) in replies.items():
             versions[j] = version
             if values is None:
                 self._read_back.pop(j, None)  # older than this worker's own update
             else:
                 self._read_back[j] = (version, dict(zip(backs[j], values)))
         return versions
+
+    def _load_programs(self, per_ps: dict) -> None:
+        """Sends each ps (through Ray, once per ps) the apply programs this push uses that it does not have."""
+        import ray
+
+        loads = {(j, program_id): box for j, lists in per_ps.items() for program_id, box in lists[3]
+                 if (j, program_id) not in self._sent}
+        ray.get([self._ps[j].load.remote(program_id, box) for (j, program_id), box in loads.items()])
+        self._sent.update(loads)
 
 
 def _reconstructed() -> bool:

@@ -35,7 +35,6 @@ from distribute.parameter_server.errors import (
     CANCELLED_MESSAGE,
     CancelledError,
     ClosureAbortedError,
-    PSUnavailableError,
     UnavailableError,
 )
 from distribute.parameter_server.dataset import ElementSpecChanged
@@ -245,11 +244,7 @@ class WorkerThread:
             if kind == "worker":
                 return False
             if kind == "ps":
-                cause = PSUnavailableError(
-                    f"parameter server {cause} ({self._cluster.ps_name(cause)}, /job:ps/replica:0/task:{cause}) is "
-                    "unavailable: its process died and its variables are lost. Bring the ps back (a new "
-                    "ParameterServerStrategy), re-create the variables and restore the last checkpoint."
-                )
+                cause = self._cluster.ps_lost(cause)
             closure.remote_value._set_error(cause)
             self._queue.mark_failed(cause)
             return True

@@ -24,6 +24,7 @@ import threading
 from typing import Any
 
 from distribute.parameter_server.actors import ParameterServer, Worker
+from distribute.parameter_server.errors import PSUnavailableError
 
 _NAMESPACES = itertools.count()
 _LOCK = threading.Lock()
@@ -145,6 +146,26 @@ class Cluster:
 
     def ps_name(self, j: int) -> str:
         return f"ps-{j}"
+
+    def ps_lost(self, j: int) -> PSUnavailableError:
+        """The error that reports ps ``j`` lost (TF's ``PSUnavailableError``), with the way to recover."""
+        return PSUnavailableError(
+            f"parameter server {j} ({self.ps_name(j)}, /job:ps/replica:0/task:{j}) is unavailable: its process "
+            "died and its variables are lost. Bring the ps back (a new ParameterServerStrategy), re-create the "
+            "variables and restore the last checkpoint."
+        )
+
+    def get_from_ps(self, refs: list) -> list:
+        """``ray.get(refs)`` of the coordinator's calls to ps actors; a dead ps raises ``PSUnavailableError``."""
+        import ray
+
+        try:
+            return ray.get(refs)
+        except Exception as error:  # noqa: BLE001 - classified; anything else re-raised as it is
+            kind, cause = self.classify(error)
+            if kind == "ps":
+                raise self.ps_lost(cause) from error
+            raise
 
     def classify(self, error: BaseException) -> tuple[str, Any]:
         """``("ps", j)``, ``("worker", error)`` or ``("user", original error)``.

@@ -96,16 +96,12 @@ class ParameterServerStrategyExtended(StrategyExtended):
         entry = self._registry.entry(var)
         if entry is None or not entry.on_ps or self._cluster is None:
             return
-        import ray
-
         parts = self._registry.shard_values(entry, var._value)
-        versions = ray.get([self._cluster.ps[j].create.remote(vals) for j, vals in parts.items()])
+        versions = self._cluster.get_from_ps([self._cluster.ps[j].create.remote(vals) for j, vals in parts.items()])
         self._cluster.observe(dict(zip(parts, versions)))
 
     def _flush(self) -> None:
         """Sends every variable not yet on its ps there (initial values)."""
-        import ray
-
         with self._push_lock:
             pending = self._registry.pending()
             if not pending:
@@ -114,20 +110,18 @@ class ParameterServerStrategyExtended(StrategyExtended):
             for entry in pending:
                 for j, vals in self._registry.shard_values(entry, entry.var._value).items():
                     per_ps.setdefault(j, {}).update(vals)
-            versions = ray.get([self._cluster.ps[j].create.remote(vals) for j, vals in per_ps.items()])
+            versions = self._cluster.get_from_ps([self._cluster.ps[j].create.remote(vals) for j, vals in per_ps.items()])
             self._cluster.observe(dict(zip(per_ps, versions)))
             for entry in pending:
                 entry.on_ps = True
 
     def _refresh(self) -> None:
         """Reads every variable back from the ps into the coordinator's copies."""
-        import ray
-
         entries = [e for e in self._registry.entries() if e.on_ps]
         if not entries:
             return
         values: dict = {}
-        for part in ray.get([ps.read_all.remote() for ps in self._cluster.ps]):
+        for part in self._cluster.get_from_ps([ps.read_all.remote() for ps in self._cluster.ps]):
             values.update(part)
         for entry in entries:
             self._registry.set_local(entry, self._registry.assemble(entry, values))
