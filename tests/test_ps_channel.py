@@ -92,16 +92,33 @@ def test_a_partial_message_is_dropped_unread():
     server.close()
 
 
-def test_the_handlers_error_is_raised_by_the_worker_with_its_type():
-    server = _server(_Recorder(fail=KeyError("no variable 12 on this ps")))
+class _Unpicklable(Exception):
+    def __init__(self, a, b):  # pickle rebuilds exceptions from .args: this one fails to unpickle
+        super().__init__(f"{a}-{b}")
+
+
+def test_the_handlers_error_comes_back_with_its_type_and_the_remote_traceback():
+    server = channel.Server("127.0.0.1", _Recorder(fail=KeyError("no variable 12 on this ps")), "ps 3")
     connection = channel.Connection(server.address, waiting=lambda: None)
     connection.send(("read", (12,)))
-    with pytest.raises(KeyError, match="no variable 12"):
+    with pytest.raises(channel.RemoteError) as info:
         connection.receive()
+    assert type(info.value.error) is KeyError and info.value.error.args == ("no variable 12 on this ps",)
+    assert "(raised in ps 3:)" in info.value.error.__notes__[0] and "__call__" in info.value.error.__notes__[0]
     connection.send(("read", (13,)))  # the connection stays usable
-    with pytest.raises(KeyError):
+    with pytest.raises(channel.RemoteError):
         connection.receive()
     server.close()
+
+
+def test_an_error_that_cannot_be_pickled_comes_back_as_a_runtime_error_naming_it():
+    server = _server(_Recorder(fail=_Unpicklable(1, 2)))
+    connection = channel.Connection(server.address, waiting=lambda: None)
+    connection.send(("read", (1,)))
+    with pytest.raises(channel.RemoteError) as info:
+        connection.receive()
+    assert type(info.value.error) is RuntimeError
+    assert "raised _Unpicklable (which cannot be sent back): 1-2" in str(info.value.error)
 
 
 def test_waiting_is_asked_while_a_reply_is_slow_and_its_error_ends_the_wait():
@@ -149,7 +166,9 @@ def test_a_worker_reopens_a_broken_channel_and_a_repeated_update_applies_once(ra
         ray_instance.kill(ps, no_restart=True)
 
 
-def test_a_dead_ps_surfaces_as_rays_actor_error_from_the_worker(ray_instance):
+def test_a_dead_ps_is_named_by_the_worker_that_finds_it(ray_instance):
+    from distribute.parameter_server.errors import PSUnavailableError
+
     from distribute.parameter_server.actors import ParameterServer, Worker
 
     ps = ray_instance.remote(num_cpus=0, max_restarts=0)(ParameterServer).remote(0)
@@ -157,6 +176,7 @@ def test_a_dead_ps_surfaces_as_rays_actor_error_from_the_worker(ray_instance):
     worker = Worker(0, [ps])
     worker._exchange({0: ("read", (5,))})
     kill_actor_and_wait(ray_instance, ps)
-    with pytest.raises(ray_instance.exceptions.RayActorError):
+    with pytest.raises(PSUnavailableError, match=r"parameter server 0 \(ps-0, /job:ps/replica:0/task:0\)") as info:
         worker._exchange({0: ("read", (5,))})
+    assert info.value.task_id == 0
 

@@ -42,7 +42,8 @@ from typing import Any
 import numpy as np
 
 from distribute.parameter_server.dataset import ElementSpecChanged, element_specs
-from distribute.parameter_server.errors import OutOfRangeError, UnavailableError
+from distribute.parameter_server.channel import Connection, RemoteError, Server
+from distribute.parameter_server.errors import OutOfRangeError, UnavailableError, ps_lost
 from distribute.parameter_server.worker_context import worker_index_scope
 
 
@@ -119,9 +120,7 @@ class ParameterServer:
         if self._server is None:
             import ray
 
-            from distribute.parameter_server.channel import Server
-
-            self._server = Server(ray.util.get_node_ip_address(), self._request)
+            self._server = Server(ray.util.get_node_ip_address(), self._request, f"ps {self._task_id}")
         return self._server.address
 
     def _request(self, request: tuple) -> Any:
@@ -239,14 +238,39 @@ class Worker:
         self._addresses: dict[int, tuple] = {}  # ps -> (host, port, token) of its channel
         self._failed: int | None = None  # the id of the last closure that raised here
         self._adopted = not _reconstructed()
+        self._lock = threading.Lock()  # runs (channel) and Ray methods, one at a time
+        self._server: Any = None
 
     def ping(self) -> int:
         return self._index
 
+    @_locked
+    def channel(self) -> tuple:
+        """``(host, port, token)`` of the channel the coordinator sends steps on (``("run", ...)``: ``run``'s arguments)."""
+        if self._server is None:
+            import ray
+
+            self._server = Server(ray.util.get_node_ip_address(), self._request, f"worker {self._index}")
+        return self._server.address
+
+    def _request(self, request: tuple) -> Any:
+        kind, *args = request
+        if kind != "run":
+            raise ValueError(f"unknown worker request {kind!r}; this is a bug in distribute.")
+        return self.run(*args)
+
+    @_locked
     def adopt(self) -> None:
         """The coordinator recovered this restarted worker: it runs closures again."""
         self._adopted = True
 
+    @_locked
+    def load_plan(self, plan: Any, box: list) -> None:
+        """Keeps a ``StepPlan`` and loads its program (sent once, through Ray; runs then name its program id)."""
+        self._plans[plan.program_id] = plan
+        _load(self._programs, plan.program_id, box)
+
+    @_locked
     def create_iterator(self, resource_id: int, dataset_fn: Any) -> Any:
         """Builds this worker's dataset with ``dataset_fn()`` and returns its first element's spec.
 
@@ -272,10 +296,12 @@ class Worker:
         leaves, treedef = jax.tree_util.tree_flatten(first)
         return treedef, [(tuple(np.shape(x)), np.asarray(x).dtype.str) for x in leaves]
 
+    @_locked
     def element_spec(self, resource_id: int) -> Any:
         """The ``element_spec`` of a built dataset (``PerWorkerDataset.build()``): the Dataset's, else its first element's."""
         return element_specs(self._datasets[resource_id])
 
+    @_locked
     def run(self, closure_id: int, plan: Any, box: list | None, args: list, after: int | None = None,
             seen: dict | None = None) -> Any:
         """Reads the variables ``plan`` reads, runs the step program, pushes its updates.
@@ -343,6 +369,8 @@ class Worker:
                 continue
             try:
                 replies[j] = self._channels[j].receive()
+            except RemoteError as error:
+                raise error.error from None
             except OSError:
                 failed.append(j)
         for j in failed:
@@ -352,6 +380,8 @@ class Worker:
                 connection = self._connection(j)
                 connection.send(requests[j])
                 replies[j] = connection.receive()
+            except RemoteError as error:
+                raise error.error from None
             except OSError as error:
                 self._drop(j)
                 self._alive(j)
@@ -366,8 +396,6 @@ class Worker:
         if connection is None:
             import ray
 
-            from distribute.parameter_server.channel import Connection
-
             if j not in self._addresses:
                 self._addresses[j] = ray.get(self._ps[j].channel.remote())
             connection = self._channels[j] = Connection(self._addresses[j], lambda: self._alive(j))
@@ -379,10 +407,13 @@ class Worker:
             connection.close()
 
     def _alive(self, j: int) -> None:
-        """Returns if Ray reports ps ``j`` alive; a dead ps raises Ray's ``RayActorError`` (the ps's loss)."""
+        """Returns if Ray reports ps ``j`` alive; a dead ps raises ``PSUnavailableError`` naming it."""
         import ray
 
-        ray.get(self._ps[j].ping.remote(), timeout=_PING_SECONDS)
+        try:
+            ray.get(self._ps[j].ping.remote(), timeout=_PING_SECONDS)
+        except ray.exceptions.RayActorError as error:
+            raise ps_lost(j) from error
 
     def _step(self, closure_id: int, plan: Any, box: list | None, args: list, seen: dict) -> tuple[list, dict]:
         import jax

@@ -1,11 +1,13 @@
 """The closure queue and the per-worker dispatch threads (TF's ``_CoordinatedClosureQueue`` and ``Worker``).
 
-One thread per worker takes the next closure and sends it to its worker actor,
-keeping up to 2 in flight (the next one waits in the actor's mailbox while the
-previous runs, hiding the coordinator's round trip; a closure whose predecessor
-on that worker raised does not run, so it is cancelled as if it had still been
-queued), delivers each result as soon as it exists, and classifies failures as
-TF's ``WorkerPreemptionHandler`` does:
+One thread per worker takes the next closure and sends it to its worker actor
+over the worker's channel (``channel.py``; the step's plan and program go
+through Ray, once), keeping up to 2 in flight (the next one waits in the
+connection while the previous runs, hiding the coordinator's round trip; a
+closure whose predecessor on that worker raised does not run, so it is cancelled
+as if it had still been queued), delivers each result as soon as it exists, and
+classifies failures as TF's ``WorkerPreemptionHandler`` does (a broken channel
+is a lost worker: Ray restarts it):
 
 =====================================================  ==============================================
 failure                                                what happens
@@ -43,8 +45,8 @@ from distribute.parameter_server.values import RemoteValue
 _WORKER_RECOVERY_SECONDS = 600.0  # TF waits up to an hour (_WORKER_MAXIMUM_RECOVERY_SEC)
 _PING_SECONDS = 5.0
 # Closures sent to a worker before the previous one returned: the worker's next step is
-# already in its Ray mailbox when one ends, so the coordinator's round trip (~1-2 ms a
-# step) overlaps the worker's work.  TF keeps one per worker; 2 keep the order and
+# already waiting in its channel when one ends, so the coordinator's round trip overlaps
+# the worker's work.  TF keeps one per worker; 2 keep the order and
 # semantics (Worker.run's ``after``) while hiding the round trip.
 _IN_FLIGHT = 2
 _CLOSURE_IDS = itertools.count()
@@ -174,6 +176,8 @@ class WorkerThread:
         self.resources: dict[int, tuple[Any, Any]] = {}  # resource id -> (dataset_fn, RemoteValue)
         self._sent_plans: set[int] = set()  # program ids whose plan this worker's actor has
         self._lock = threading.Lock()
+        self._creating: list = []  # create_iterator calls a step sent on the channel must not overtake
+        self._connection: Any = None  # channel.Connection to the worker actor, opened on first use
         with queue._cond:
             queue.live_workers += 1
         self._thread = threading.Thread(target=self._loop, name=f"WorkerClosureProcessingLoop-{index}", daemon=True)
@@ -186,7 +190,12 @@ class WorkerThread:
     def add_resource(self, resource_id: int, dataset_fn: Any, remote_value: Any) -> None:
         with self._lock:
             self.resources[resource_id] = (dataset_fn, remote_value)
-            remote_value._start(self.actor.create_iterator.remote(resource_id, dataset_fn))
+            self._create(resource_id, dataset_fn, remote_value)
+
+    def _create(self, resource_id: int, dataset_fn: Any, remote_value: Any) -> None:
+        ref = self.actor.create_iterator.remote(resource_id, dataset_fn)
+        self._creating.append(ref)
+        remote_value._start(ref)
 
     def _loop(self) -> None:
         try:
@@ -211,20 +220,64 @@ class WorkerThread:
                 self._queue._cond.notify_all()
 
     def _send(self, closure: Closure, after: int | None) -> Any:
+        """Sends ``closure`` to the worker over its channel (its plan through Ray, once).
+
+        Returns True (sent), False (the worker is lost) or the error that keeps it
+        from running (e.g. its program does not load there), raised by ``_finish``.
+        """
+        import ray
+
         step = closure.step
-        plan, box = step.plan, step.box
-        if plan.program_id in self._sent_plans:
-            plan, box = plan.program_id, None  # the worker keeps the plans it was sent
-        else:
-            self._sent_plans.add(plan.program_id)
-        return self.actor.run.remote(closure.id, plan, box, closure.args, after, self._cluster.seen())
+        try:
+            with self._lock:
+                creating, self._creating = self._creating, []
+            if creating:  # Ray and the channel keep no order between them: iterators exist before steps use them
+                ray.wait(creating, num_returns=len(creating))
+            if step.plan.program_id not in self._sent_plans:
+                ray.get(self.actor.load_plan.remote(step.plan, step.box))
+                self._sent_plans.add(step.plan.program_id)
+            self._channel().send(("run", closure.id, step.plan.program_id, None, closure.args, after, self._cluster.seen()))
+            return True
+        except OSError:
+            self._drop_channel()
+            return False
+        except Exception as error:  # noqa: BLE001 - a dead worker, or an error raised like the closure's own
+            if self._cluster.classify(error)[0] != "worker":
+                return error
+            self._drop_channel()
+            return False
+
+    def _channel(self) -> Any:
+        if self._connection is None:
+            import ray
+
+            from distribute.parameter_server.channel import Connection
+
+            self._connection = Connection(ray.get(self.actor.channel.remote()), self._waiting)
+        return self._connection
+
+    def _drop_channel(self) -> None:
+        if self._connection is not None:
+            self._connection.close()
+            self._connection = None
+
+    def _waiting(self) -> None:
+        """Asked while a reply is slow: a worker Ray reports dead ends the wait (ConnectionError); a live one continues."""
+        import ray
+
+        try:
+            ray.get(self.actor.ping.remote(), timeout=_PING_SECONDS)
+        except ray.exceptions.GetTimeoutError:
+            return
+        except ray.exceptions.RayActorError as error:
+            raise ConnectionError(f"worker {self.index} died") from error
 
     def _receive(self, sent: collections.deque) -> None:
         """Waits for the oldest closure sent; on a lost worker, also for the rest, then re-queues them in order."""
         lost = []
         while sent:
-            closure, ref = sent.popleft()
-            if not self._finish(closure, ref):
+            closure, status = sent.popleft()
+            if not self._finish(closure, status):
                 lost.append(closure)
             if not lost:
                 return
@@ -232,16 +285,24 @@ class WorkerThread:
             self._queue.put_back(closure)
         self._recover()
 
-    def _finish(self, closure: Closure, ref: Any) -> bool:
+    def _finish(self, closure: Closure, sent: Any) -> bool:
         """Delivers one closure's result or error; False if its worker was lost (the caller re-queues it)."""
-        import ray
+        from distribute.parameter_server.channel import RemoteError
 
         step = closure.step
+        if sent is False or self._connection is None and sent is True:
+            return False
         try:
-            reply = ray.get(ref)
-        except Exception as error:  # noqa: BLE001 - classified below
-            kind, cause = self._cluster.classify(error)
+            if sent is not True:
+                raise RemoteError(sent)
+            reply = self._connection.receive()
+        except OSError:
+            self._drop_channel()
+            return False
+        except RemoteError as remote:
+            kind, cause = self._cluster.classify(remote.error)
             if kind == "worker":
+                self._drop_channel()
                 return False
             if kind == "ps":
                 cause = self._cluster.ps_lost(cause)
@@ -297,6 +358,7 @@ class WorkerThread:
         import ray
 
         self._sent_plans = set()
+        self._drop_channel()
         with self._lock:
             for _, remote_value in self.resources.values():
                 remote_value._set_aborted(ClosureAbortedError("the worker holding this iterator was lost; it is being rebuilt."))
@@ -310,8 +372,8 @@ class WorkerThread:
         else:
             self._cluster.alive_workers.discard(self.index)
             return
-        self.actor.adopt.remote()  # before its iterators and closures (Ray keeps one caller's order)
+        self.actor.adopt.remote()  # before its iterators (Ray keeps one caller's order); closures wait for those
         with self._lock:
             for resource_id, (dataset_fn, remote_value) in self.resources.items():
-                remote_value._start(self.actor.create_iterator.remote(resource_id, dataset_fn))
+                self._create(resource_id, dataset_fn, remote_value)
         self._cluster.recoveries += 1

@@ -24,7 +24,7 @@ import threading
 from typing import Any
 
 from distribute.parameter_server.actors import ParameterServer, Worker
-from distribute.parameter_server.errors import PSUnavailableError
+from distribute.parameter_server.errors import PSUnavailableError, ps_lost
 
 _NAMESPACES = itertools.count()
 _LOCK = threading.Lock()
@@ -149,11 +149,7 @@ class Cluster:
 
     def ps_lost(self, j: int) -> PSUnavailableError:
         """The error that reports ps ``j`` lost (TF's ``PSUnavailableError``), with the way to recover."""
-        return PSUnavailableError(
-            f"parameter server {j} ({self.ps_name(j)}, /job:ps/replica:0/task:{j}) is unavailable: its process "
-            "died and its variables are lost. Bring the ps back (a new ParameterServerStrategy), re-create the "
-            "variables and restore the last checkpoint."
-        )
+        return ps_lost(j)
 
     def get_from_ps(self, refs: list) -> list:
         """``ray.get(refs)`` of the coordinator's calls to ps actors; a dead ps raises ``PSUnavailableError``."""
@@ -180,6 +176,8 @@ class Cluster:
             seen = seen.cause
             chain.append(seen)
         for e in chain:
+            if isinstance(e, PSUnavailableError) and getattr(e, "task_id", None) is not None:
+                return "ps", e.task_id  # a worker found its ps dead
             actor_id = getattr(e, "actor_id", None)
             if isinstance(e, rx.RayActorError) and actor_id is not None:
                 j = self._ps_ids.get(actor_id if isinstance(actor_id, str) else getattr(actor_id, "hex", lambda: "")())

@@ -28,6 +28,17 @@ class PSUnavailableError(UnavailableError):
     """
 
 
+def ps_lost(task_id: int) -> PSUnavailableError:
+    """The error reporting ps ``task_id`` lost, with the way to recover; its ``task_id`` names the ps."""
+    error = PSUnavailableError(
+        f"parameter server {task_id} (ps-{task_id}, /job:ps/replica:0/task:{task_id}) is unavailable: its process "
+        "died and its variables are lost. Bring the ps back (a new ParameterServerStrategy), re-create the "
+        "variables and restore the last checkpoint."
+    )
+    error.task_id = task_id
+    return error
+
+
 class OutOfRangeError(OpError):
     """A worker's dataset iterator is exhausted (TF: ``tf.errors.OutOfRangeError``)."""
 
