@@ -7,6 +7,8 @@ shared by the session; two strategies are shared by this module.
 
 from __future__ import annotations
 
+import time
+
 import logging
 
 import keras
@@ -187,6 +189,42 @@ def test_error_in_scheduled_function_is_raised_by_join_then_cleared(two_by_two):
     coordinator.schedule(add_one)
     coordinator.join()
     assert float(v.numpy()) == total + 1
+
+
+def test_a_step_scheduled_at_once_reads_a_dataset_still_being_built(two_by_two):
+    # Steps travel on the worker's channel, datasets through Ray: a step sent right after
+    # create_per_worker_dataset waits for its iterator (TF: the resource is built before closures use it).
+    strategy, coordinator = two_by_two
+
+    def slow_dataset_fn():
+        time.sleep(0.5)
+        return Dataset.range(100).batch(10)
+
+    iterator = iter(coordinator.create_per_worker_dataset(slow_dataset_fn))
+    results = [coordinator.schedule(lambda it: keras.ops.sum(next(it)), args=(iterator,)) for _ in range(4)]
+    coordinator.join()
+    sums = sorted(int(r.fetch()) for r in results)
+    assert sums in ([45, 45, 145, 145], [45, 145, 245, 345]), sums  # each worker reads its own copy in order
+
+
+def test_a_user_error_keeps_its_type_and_names_where_it_was_raised(two_by_two):
+    strategy, coordinator = two_by_two
+
+    # The only user Python a worker runs is its dataset: a generator that raises there.
+    class BadRecord(ValueError):  # defined here: it travels by value
+        pass
+
+    def records():
+        yield np.float32(1.0)
+        raise BadRecord("record 7 is corrupt")
+
+    iterator = iter(coordinator.create_per_worker_dataset(
+        lambda: Dataset.from_generator(records, output_signature=distribute.data.TensorSpec((), "float32"))))
+    for _ in range(4):
+        coordinator.schedule(lambda it: next(it), args=(iterator,))
+    with pytest.raises(BadRecord, match="record 7 is corrupt") as info:
+        coordinator.join()
+    assert any("(raised in worker " in note and "records" in note for note in info.value.__notes__)
 
 
 def test_worker_index_inside_dataset_fn(two_by_two):

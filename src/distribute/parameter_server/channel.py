@@ -45,15 +45,20 @@ class RemoteError(Exception):
         self.error = error
 
 
-def _sendable(error: BaseException, where: str) -> BaseException:
-    """``error`` with the remote traceback as a note, or a RuntimeError naming it if it cannot be pickled."""
+def _sendable(error: BaseException, where: str) -> bytes:
+    """``error`` pickled by value where needed (a class defined in a function), with the remote traceback as a
+    note; a RuntimeError naming it if it cannot be pickled at all."""
+    from ray import cloudpickle
+
     text = "".join(traceback.format_exception(error))
     try:
         error.add_note(f"(raised in {where}:)\n{text}")
-        pickle.loads(pickle.dumps(error, protocol=5))
-        return error
+        data = cloudpickle.dumps(error, protocol=5)
+        pickle.loads(data)
+        return data
     except Exception:  # noqa: BLE001 - an exception type that does not survive pickling
-        return RuntimeError(f"{where} raised {type(error).__name__} (which cannot be sent back): {error}\n{text}")
+        return cloudpickle.dumps(
+            RuntimeError(f"{where} raised {type(error).__name__} (which cannot be sent back): {error}\n{text}"))
 
 
 def _exact(sock: socket.socket, size: int, waiting: Callable[[], None] | None = None) -> bytearray:
@@ -166,7 +171,11 @@ class Connection:
         """The next reply; ``RemoteError`` if the handler raised; ``OSError`` if the connection broke."""
         status, value = receive(self._sock, self._waiting)
         if status == "error":
-            raise RemoteError(value)
+            try:
+                error = pickle.loads(value)
+            except Exception as failure:  # noqa: BLE001 - e.g. its class's module is not importable here
+                error = RuntimeError(f"the actor raised an error this process cannot unpickle: {failure!r}")
+            raise RemoteError(error)
         return value
 
     def close(self) -> None:
