@@ -180,3 +180,30 @@ def test_a_dead_ps_is_named_by_the_worker_that_finds_it(ray_instance):
         worker._exchange({0: ("read", (5,))})
     assert info.value.task_id == 0
 
+
+
+def test_a_large_request_to_a_busy_actor_waits_instead_of_failing():
+    # The actor reads the next request only after it answered the last: a 64 MB request behind a slow one
+    # fills the socket buffers; the sender asks `waiting` and goes on instead of timing out.
+    release = threading.Event()
+
+    def handle(request):
+        if request[0] == "slow":
+            release.wait(30)
+        return request[0], int(np.asarray(request[1]).sum())
+
+    server = _server(handle)
+    asked = []
+
+    def waiting():
+        asked.append(1)
+        release.set()
+
+    connection = channel.Connection(server.address, waiting=waiting, probe_seconds=0.2)
+    connection.send(("slow", np.ones(1)))
+    big = np.ones(16 * 1024 * 1024, np.float32)
+    connection.send(("big", big))
+    assert connection.receive() == ("slow", 1)
+    assert connection.receive() == ("big", big.size)
+    assert asked
+    server.close()

@@ -79,15 +79,28 @@ def _exact(sock: socket.socket, size: int, waiting: Callable[[], None] | None = 
     return buf
 
 
-def send(sock: socket.socket, obj: Any) -> None:
+def _send_all(sock: socket.socket, data: Any, waiting: Callable[[], None] | None) -> None:
+    """``sock.sendall(data)``, except that each time the socket's timeout passes with nothing sent, ``waiting()``
+    is asked (it raises if the other end is gone) and the rest is sent on."""
+    view, sent = memoryview(data).cast("B"), 0
+    while sent < len(view):
+        try:
+            sent += sock.send(view[sent:])
+        except TimeoutError:
+            if waiting is None:
+                raise
+            waiting()
+
+
+def send(sock: socket.socket, obj: Any, waiting: Callable[[], None] | None = None) -> None:
     """Sends ``obj`` as one message (pickle 5, buffers out of band)."""
     buffers: list = []
     head = pickle.dumps(obj, protocol=5, buffer_callback=buffers.append)
     raws = [b.raw() for b in buffers]
     lengths = [len(head)] + [r.nbytes for r in raws]
-    sock.sendall(_COUNT.pack(len(lengths)) + struct.pack(f"<{len(lengths)}Q", *lengths) + head)
+    _send_all(sock, _COUNT.pack(len(lengths)) + struct.pack(f"<{len(lengths)}Q", *lengths) + head, waiting)
     for raw in raws:
-        sock.sendall(raw)
+        _send_all(sock, raw, waiting)
 
 
 def receive(sock: socket.socket, waiting: Callable[[], None] | None = None) -> Any:
@@ -165,7 +178,7 @@ class Connection:
         self._waiting = waiting
 
     def send(self, request: Any) -> None:
-        send(self._sock, request)
+        send(self._sock, request, self._waiting)
 
     def receive(self) -> Any:
         """The next reply; ``RemoteError`` if the handler raised; ``OSError`` if the connection broke."""
