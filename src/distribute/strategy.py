@@ -173,7 +173,7 @@ class Strategy:
         ``range(5).batch(4)`` gives ``([4], [])``.  A non-distributed value gives
         ``(value,)``, a nested structure (list, tuple, dict) one copy per local replica
         with its distributed leaves split, as TF; a variable created in scope, its
-        value once per local replica;
+        copy on each local replica's device;
         a SyncOnRead variable, its replicas' copies (as TF's
         SyncOnReadVariable; see ``sync_on_read.py``).
         """
