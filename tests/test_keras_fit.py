@@ -91,7 +91,7 @@ def test_fit_evaluate_predict_equal_one_device(num_replicas, dataset_input, refe
     for key, value in expected["after"].items():
         np.testing.assert_allclose(got["after"][key], value, rtol=RTOL, err_msg=key)
     for variable in model.variables:
-        shards = [np.asarray(sh.data) for sh in variable.value.addressable_shards]
+        shards = [np.asarray(sh.data) for sh in variable._value.addressable_shards]  # its copy per replica
         assert len(shards) == num_replicas
         for shard in shards[1:]:
             np.testing.assert_array_equal(shard, shards[0])

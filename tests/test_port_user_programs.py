@@ -337,11 +337,6 @@ def test_metric_updated_with_a_reduced_loss_in_cross_replica_context():
     assert float(on_read) == 4.0
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "Arithmetic between a MirroredVariable and strategy.reduce's result in cross-replica context: "
-    "TF 2.21 gives 5.0 for `v + loss` (v = 1.0, loss = 4.0); here JAX raises 'Received incompatible "
-    "devices for jitted computation' (reduce returns a value committed to one device, the variable "
-    "is replicated over the replicas' devices)."))
 def test_mirrored_variable_plus_reduced_value_as_tf():
     s2 = mirrored(2)
     with s2.scope():

@@ -100,7 +100,7 @@ def test_run_with_python_constants_and_kwargs():
 
 # -- mirrored variables -------------------------------------------------------------------------
 def _assert_mirrored(variable, strategy):
-    value = variable.value
+    value = variable._value  # the storage: a copy per replica (a cross-replica read is one device's, as TF)
     devices = set(strategy.extended.replica_mesh.devices)
     assert value.sharding.device_set == devices
     assert value.sharding.is_fully_replicated

@@ -65,8 +65,9 @@ def reduce_dispatches_nothing(op: ReduceOp, value: Any, axis: int | None) -> boo
 def reduce_per_replica(op: ReduceOp, value: PerReplica, axis: int | None) -> jax.Array:
     if axis is None and value._sum is not None:
         # Summed in the step's program already; one device's copy, as TF returns a
-        # reduced value on one device (so `total += loss` is a one-device op).
-        total = value._sum.addressable_shards[0].data
+        # reduced value on one device (so `total += loss` is a one-device op), the
+        # device of a MirroredVariable's cross-replica read (ReplicaMesh.local_copy).
+        total = value._strategy.extended.replica_mesh.local_copy(value._sum)
         return total if op is ReduceOp.SUM else total / value._array.shape[0]
     array, lengths = _without_uniform_padding(value)
     ndim = array.ndim - 1

@@ -89,6 +89,48 @@ class ReplicaMesh:
         check_integers_fit(value)
         return jax.device_put(value, self.replicated_sharding)
 
+    def local_copy(self, array: Any) -> Any:
+        """The copy of a replicated array that a cross-replica read gives: one device's, committed there.
+
+        TF's rule for a MirroredVariable read in cross-replica context (and for
+        where ``strategy.reduce`` puts its result): the copy on the current device
+        if the value lives there, else the primary copy.  Here the current device is
+        ``jax.default_device`` when it is one of this worker's replicas' devices,
+        else the primary device is this worker's first replica's device.  No
+        transfer: the copy is the array's own buffer on that device (shapes are
+        unchanged).  Anything but a fully replicated, multi-device ``jax.Array``
+        (a host value, a tracer, a one-device array, a sharded array) is returned
+        as it is.
+        """
+        if not isinstance(array, jax.Array) or isinstance(array, jax.core.Tracer) or not self.local_devices:
+            return array
+        if len(array.sharding.device_set) < 2 or not array.is_fully_replicated:
+            return array
+        device = self._read_device()
+        first = array.addressable_data(0)
+        if next(iter(first.devices())) == device:
+            return first
+        for shard in array.addressable_shards:
+            if shard.device == device:
+                return shard.data
+        return array
+
+    def local_copies(self, array: Any) -> tuple:
+        """A replicated array's copies on this worker's devices, one per local replica, in replica order."""
+        if not isinstance(array, jax.Array) or isinstance(array, jax.core.Tracer) or not array.is_fully_replicated:
+            return tuple(array for _ in self.local_devices)
+        by_device = {s.device: s.data for s in array.addressable_shards}
+        if not all(d in by_device for d in self.local_devices):
+            return tuple(array for _ in self.local_devices)
+        return tuple(by_device[d] for d in self.local_devices)
+
+    def _read_device(self) -> jax.Device:
+        """This worker's device that cross-replica reads use: ``jax.default_device`` if ours, else the primary."""
+        current = jax.config.jax_default_device
+        if isinstance(current, jax.Device) and current in self.local_devices:
+            return current
+        return self.local_devices[0]
+
     def local_rows(self, stacked: Any) -> Any:
         """This worker's rows of a ``(num_replicas, ...)`` host value."""
         if len(self.local_devices) == len(self.devices):

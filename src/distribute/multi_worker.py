@@ -394,7 +394,8 @@ class MultiWorkerMirroredStrategy(Strategy):
 
         def one(x: Any) -> Any:
             if isinstance(x, jax.Array) and not x.is_fully_replicated:
-                return jax.jit(lambda a: a, out_shardings=sharding)(x)
+                # Then this worker's copy, where its variables' cross-replica reads are.
+                return self._extended.replica_mesh.local_copy(jax.jit(lambda a: a, out_shardings=sharding)(x))
             return x
 
         return jax.tree_util.tree_map(one, tree)

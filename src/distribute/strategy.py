@@ -140,7 +140,7 @@ class Strategy:
         _check_reduce_axis(axis)
         value = _sync_on_read_as_per_replica(value)
         self._check_values_are_ours(value, "reduce")
-        result = jax.tree_util.tree_map(lambda v: self._reduce_one(op, v, axis), value, is_leaf=is_distributed)
+        result = self._on_read_device(jax.tree_util.tree_map(lambda v: self._reduce_one(op, v, axis), value, is_leaf=is_distributed))
         if not collectives.reduce_dispatches_nothing(op, value, axis):
             # A SUM the step's program computed already is not a program of its own: counting
             # it would halve the steps the in-flight bound lets the loop queue.
@@ -162,7 +162,7 @@ class Strategy:
             raise ValueError(f"strategy.gather: axis must be an int, got {axis!r}.")
         value = _sync_on_read_as_per_replica(value)
         self._check_values_are_ours(value, "gather")
-        result = jax.tree_util.tree_map(lambda v: self._gather_one(v, axis), value, is_leaf=is_distributed)
+        result = self._on_read_device(jax.tree_util.tree_map(lambda v: self._gather_one(v, axis), value, is_leaf=is_distributed))
         self._extended.record_dispatch(result)
         return result
 
@@ -173,7 +173,7 @@ class Strategy:
         ``range(5).batch(4)`` gives ``([4], [])``.  A non-distributed value gives
         ``(value,)``, a nested structure (list, tuple, dict) one copy per local replica
         with its distributed leaves split, as TF; a variable created in scope, its
-        value once per local replica;
+        copy on each local replica's device;
         a SyncOnRead variable, its replicas' copies (as TF's
         SyncOnReadVariable; see ``sync_on_read.py``).
         """
@@ -181,8 +181,8 @@ class Strategy:
         if isinstance(value, DistributedValues):
             return value.values
         if getattr(value, "_distribute_strategy", None) is self and hasattr(value, "value"):
-            # A MirroredVariable: the same value on every local replica (TF: its components).
-            return (value.value,) * len(self._extended.replica_mesh.local_devices)
+            # A MirroredVariable: its copy on each local replica's device (TF: its components).
+            return self._extended.replica_mesh.local_copies(value._value)
         leaves, treedef = jax.tree_util.tree_flatten(value, is_leaf=is_distributed)
         if any(isinstance(leaf, DistributedValues) for leaf in leaves) or isinstance(value, (list, tuple, dict)):
             # TF: a nested structure gives one copy per local replica, its distributed leaves split.
@@ -249,6 +249,15 @@ class Strategy:
                     f"strategy.{what} got a {type(leaf).__name__} value of {leaf._strategy!r}, not of "
                     f"{self!r}; reduce or gather each value with the strategy that produced it."
                 )
+
+    def _on_read_device(self, tree: Any) -> Any:
+        """reduce's and gather's results on one device, that of a cross-replica read (``ReplicaMesh.local_copy``).
+
+        TF puts them on the current device (``reduce_to`` the current device), where a
+        MirroredVariable's cross-replica read is too: ``v + strategy.reduce(...)`` works.
+        """
+        mesh = getattr(self._extended, "replica_mesh", None)
+        return tree if mesh is None else jax.tree_util.tree_map(mesh.local_copy, tree)
 
     def _reduce_one(self, op: ReduceOp, value: Any, axis: int | None) -> Any:
         mirrored_variable = getattr(value, "_distribute_strategy", None) is self and hasattr(value, "value")

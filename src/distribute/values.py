@@ -146,8 +146,8 @@ class PerReplica(DistributedValues):
 class Mirrored(DistributedValues):
     """One value, identical on every replica (tf.distribute's Mirrored).
 
-    Backed by one replicated ``jax.Array``; ``values`` repeats it once per local
-    replica.
+    Backed by one replicated ``jax.Array``; ``values`` gives its copy on each local
+    replica's device (TF: one component per device).
     """
 
     __slots__ = ("_strategy", "_array")
@@ -159,7 +159,7 @@ class Mirrored(DistributedValues):
         self._array = self._strategy.extended.replica_mesh.put_replicated(value)
 
     def _local_values(self) -> tuple:
-        return tuple(self._array for _ in self._strategy.extended.replica_mesh.local_devices)
+        return self._strategy.extended.replica_mesh.local_copies(self._array)
 
 
 def stack_padded(values: Sequence[Any]) -> tuple[np.ndarray | jax.Array, np.ndarray | None]:

@@ -201,3 +201,47 @@ def register(add_task, py, local, mirrored, guarded):
 
     for name in ("NcclAllReduce", "HierarchicalCopyAllReduce", "ReductionToOneDevice", "CrossDeviceOps"):
         add_task((SECTION, f"cross_device_ops_{name}"), lambda n=name: cross_device_ops(n))
+
+    # -- cross-replica reads of a MirroredVariable / SyncOnRead variable beside reduce's result ---
+    def cross_replica_reads(shape):
+        """``v = keras.Variable(ones(shape))`` in scope, ``loss = reduce(SUM, run(lambda: 2.0))`` = 4.0, then arithmetic."""
+        s = mirrored(2)
+        init = np.ones(shape, np.float32) if shape else 1.0
+        with s.scope():
+            v = keras.Variable(init)
+            w = keras.Variable(init, synchronization="on_read", aggregation="sum")
+            metric = keras.metrics.Mean()
+        loss = s.reduce(S, s.run(lambda: tf.constant(2.0)), axis=None)
+        s.run(lambda: metric.update_state(tf.cast(tf.distribute.get_replica_context().replica_id_in_sync_group, tf.float32) + 1.0))
+        out = {
+            "loss": py(loss),
+            "loss_device": loss.device,
+            "value_device": guarded(lambda: v.value.device),
+            "v_plus_loss": guarded(lambda: py(v + loss)),
+            "v_plus_loss_device": guarded(lambda: (v + loss).device),
+            "loss_plus_v": guarded(lambda: py(loss + v)),
+            "v_times_loss": guarded(lambda: py(v * loss)),
+            "ops_add": guarded(lambda: py(keras.ops.add(v, loss))),
+            "maximum": guarded(lambda: py(tf.maximum(v, loss))),
+            "ops_maximum": guarded(lambda: py(keras.ops.maximum(v, loss))),
+            "numpy": guarded(lambda: py(v.numpy())),
+            "convert_to_tensor_plus_loss": guarded(lambda: py(keras.ops.convert_to_tensor(v) + loss)),
+            "sync_on_read_plus_loss": guarded(lambda: py(w + loss)),
+            "metric_result_plus_loss": guarded(lambda: py(metric.result() + loss)),
+            "run_v_plus_loss": guarded(lambda: local(s, s.run(lambda: v + loss))),
+            "run_v_plus_loss_arg": guarded(lambda: local(s, s.run(lambda x: v + x, args=(loss,)))),
+        }
+
+        def assign():
+            v.assign(v + loss)
+            first = py(v.numpy())
+            with s.scope():
+                v.assign_add(loss)
+            return {"assign_v_plus_loss": first, "then_assign_add_loss_in_scope": py(v.numpy()),
+                    "local_results": local(s, v)}
+
+        out["assign"] = guarded(assign)
+        return out
+
+    for name, shape in (("scalar", ()), ("shape_3", (3,)), ("shape_2x2", (2, 2))):
+        add_task((SECTION, f"cross_replica_read_{name}"), lambda sh=shape: cross_replica_reads(sh))

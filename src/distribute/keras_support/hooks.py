@@ -5,7 +5,9 @@ outside a strategy:
 
 * a JAX Keras variable initialized inside a strategy's scope is placed
   replicated on the strategy's mesh (a MirroredVariable) and remembers the
-  strategy (``variable_created_in_scope``);
+  strategy (``variable_created_in_scope``); read in cross-replica context
+  (``v.value``, ``v + x``, ``keras.ops.convert_to_tensor(v)``, ``float(v)``) it
+  gives one device's copy, as TF (see ``_cross_replica_read``);
 * an optimizer remembers the scope it was created in; its ``apply`` inside
   ``strategy.run`` sums the gradients across replicas first (as TF's
   ``apply_gradients``) and refuses to run for another strategy;
@@ -26,19 +28,21 @@ outside a strategy:
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import inspect
 import weakref
-from typing import Any
+from typing import Any, Iterator
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding, PartitionSpec
 
 from distribute import _context, sync_on_read
 from distribute._keras import (
     BaseOptimizer,
     BatchNormalization,
     JaxVariable,
+    JAXTrainer,
     KerasVariable,
     Layer,
     Metric,
@@ -73,7 +77,81 @@ def install() -> None:
     _patch(KerasVariable, "assign_add", _additive)
     _patch(KerasVariable, "assign_sub", _additive)
     _patch(BatchNormalization, "_moments", _batch_norm_moments)
+    _patch(KerasVariable, "value", _variable_value)
+    _patch(JAXTrainer, "_get_jax_state", _whole_state)
     _INSTALLED.append(True)
+
+
+# -- cross-replica reads of a distributed variable ----------------------------------------
+_WHOLE_READS: contextvars.ContextVar[bool] = contextvars.ContextVar("distribute_whole_variable_reads", default=False)
+
+
+@contextlib.contextmanager
+def whole_variable_reads() -> Iterator[None]:
+    """Inside, ``variable.value`` is the whole replicated array: state handed to a compiled program."""
+    token = _WHOLE_READS.set(True)
+    try:
+        yield
+    finally:
+        _WHOLE_READS.reset(token)
+
+
+def _whole_state(original):
+    """``JAXTrainer._get_jax_state`` of a distributed model: the variables' replicated arrays.
+
+    Keras' fit / evaluate / predict collect their loop state with ``v.value``;
+    the SPMD step takes it replicated, so one device's copy there would cost a
+    transfer of every variable at every state sync.
+    """
+
+    def _get_jax_state(self, *args, **kwargs):
+        if self.__dict__.get("_distribute_strategy") is None:
+            return original(self, *args, **kwargs)
+        with whole_variable_reads():
+            return original(self, *args, **kwargs)
+
+    return _get_jax_state
+
+
+def _variable_value(original):
+    """``Variable.value``: Keras' own, except a cross-replica read of a distributed variable (``_cross_replica_read``)."""
+    keras_read = original.fget
+
+    def value(self):
+        current = self._value
+        if current is None or get_stateless_scope() is not None:
+            # Inside any stateless scope (strategy.run's and fit's programs, Keras'
+            # stateless_call / stateless_apply): Keras' own answer.
+            return keras_read(self)
+        return self._maybe_autocast(_cross_replica_read(self, current))
+
+    return property(value, original.fset, original.fdel, original.__doc__)
+
+
+def _cross_replica_read(variable: Any, current: Any) -> Any:
+    """The array a read of ``variable`` gives outside any replica context (TF's ``_get_cross_replica``).
+
+    TF 2.21, 2 replicas, ``v = keras.Variable(1.0)`` in scope and ``loss =
+    strategy.reduce("SUM", strategy.run(lambda: 2.0), axis=None)`` (4.0, on one
+    device): ``v.value`` is the copy on the current device, else the primary copy
+    (``MirroredVariable._get_cross_replica``; a SyncOnRead variable's aggregate
+    likewise), so ``v + loss`` is 5.0 on that device.  Here the variable's
+    replicated array gives its buffer on that device (``ReplicaMesh.local_copy``:
+    no transfer), where ``strategy.reduce`` also puts its result; the result of
+    ``v + loss``, ``keras.ops.add(v, loss)``, ``v.assign(v + loss)``,
+    ``metric.result() + loss`` is one device's too, as in TF.
+
+    Unchanged (the whole replicated array): inside a replica context (the
+    function given to ``strategy.run`` and Keras fit's steps read their variables
+    as program inputs; a read there is every replica's own copy), inside
+    ``whole_variable_reads`` (state handed to a program), and for variables made
+    outside any mesh strategy's scope.
+    """
+    strategy = variable.__dict__.get("_distribute_strategy")
+    if strategy is None or _WHOLE_READS.get() or _context.current_replica_context() is not None:
+        return current
+    mesh = getattr(strategy.extended, "replica_mesh", None)
+    return current if mesh is None else mesh.local_copy(current)
 
 
 def _variable_initialize_layout(original):
@@ -155,11 +233,13 @@ def _additive(original):
 
 
 def _to_variable_devices(variable: Any, value: Any) -> Any:
-    """In cross-replica context, ``value`` replicated on ``variable``'s devices when it is committed elsewhere.
+    """In cross-replica context, ``value`` on the device of ``variable``'s cross-replica read, when committed elsewhere.
 
-    ``strategy.reduce`` returns one device's copy; TF copies it implicitly where a
-    distributed variable (a metric's total, a MirroredVariable) adds it in cross-replica
-    context: ``train_loss.update_state(strategy.reduce("SUM", losses, axis=None))``.
+    Keras' ``assign_add(delta)`` is ``assign(variable + delta)``; the read is one
+    device's copy (``_cross_replica_read``).  TF copies ``delta`` there
+    implicitly, wherever it lives (another replica's component of
+    ``experimental_local_results``, a replicated value); JAX does not, so it is
+    moved here.  ``strategy.reduce``'s result lives there already (no transfer).
     """
     if _context.current_replica_context() is not None:
         return value  # inside strategy.run (a replica's own copies): as it is
@@ -167,12 +247,11 @@ def _to_variable_devices(variable: Any, value: Any) -> Any:
     if not (isinstance(value, jax.Array) and isinstance(current, jax.Array)) or isinstance(value, jax.core.Tracer) \
             or isinstance(current, jax.core.Tracer) or not value.committed:
         return value
-    devices = current.sharding.device_set
+    read = _cross_replica_read(variable, current)
+    devices = read.sharding.device_set
     if value.sharding.device_set == devices:
         return value
-    mesh = getattr(current.sharding, "mesh", None)
-    target = NamedSharding(mesh, PartitionSpec()) if mesh is not None else current.sharding
-    return jax.device_put(value, target)
+    return jax.device_put(value, read.sharding if len(devices) > 1 else next(iter(devices)))
 
 
 def _batch_norm_init(original):
