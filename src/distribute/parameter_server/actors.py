@@ -90,7 +90,31 @@ def _locked(method: Any) -> Any:
     return locked
 
 
-class ParameterServer:
+class _Served:
+    """An actor that also answers requests on a channel (``channel.py``): ``(name of a method in REQUESTS, *args)``.
+
+    Subclasses set ``_lock``, ``_server`` (None) and ``_name``.
+    """
+
+    REQUESTS: tuple[str, ...] = ()
+
+    @_locked
+    def channel(self) -> tuple:
+        """``(host, port, token)`` of this actor's channel (started on the first call), on its Ray node's address."""
+        if self._server is None:
+            import ray
+
+            self._server = Server(ray.util.get_node_ip_address(), self._request, self._name)
+        return self._server.address
+
+    def _request(self, request: tuple) -> Any:
+        kind, *args = request
+        if kind not in self.REQUESTS:
+            raise ValueError(f"{self._name} got an unknown request {kind!r}; this is a bug in distribute.")
+        return getattr(self, kind)(*args)
+
+
+class ParameterServer(_Served):
     """Holds variable storage keys -> arrays of one ps task (``/job:ps/replica:0/task:<j>``).
 
     Its workers reach it through its channel (``channel.py``: ``read`` and
@@ -99,8 +123,11 @@ class ParameterServer:
     place, so a reply can be sent after the lock is released.
     """
 
+    REQUESTS = ("read", "update")
+
     def __init__(self, task_id: int) -> None:
         self._task_id = task_id
+        self._name = f"ps {task_id}"
         self._lock = threading.Lock()
         self._values: dict[int, np.ndarray] = {}
         self._programs: dict[int, Any] = {}
@@ -113,23 +140,6 @@ class ParameterServer:
 
     def ping(self) -> int:
         return self._task_id
-
-    @_locked
-    def channel(self) -> tuple:
-        """``(host, port, token)`` of this ps's channel (started on the first call), on its Ray node's address."""
-        if self._server is None:
-            import ray
-
-            self._server = Server(ray.util.get_node_ip_address(), self._request, f"ps {self._task_id}")
-        return self._server.address
-
-    def _request(self, request: tuple) -> Any:
-        kind, *args = request
-        if kind == "update":
-            return self.update(*args)
-        if kind == "read":
-            return self.read(*args)
-        raise ValueError(f"unknown ps request {kind!r}; this is a bug in distribute.")
 
     @_locked
     def create(self, values: dict) -> int:
@@ -221,11 +231,14 @@ class _Iterator:
         self._pending.extendleft(reversed(elements))
 
 
-class Worker:
-    """One worker task (``/job:worker/replica:0/task:<i>``): runs scheduled steps."""
+class Worker(_Served):
+    """One worker task (``/job:worker/replica:0/task:<i>``): runs scheduled steps (``("run", *run's arguments)`` on its channel)."""
+
+    REQUESTS = ("run",)
 
     def __init__(self, worker_index: int, ps_handles: list) -> None:
         self._index = worker_index
+        self._name = f"worker {worker_index}"
         self._ps = list(ps_handles)
         self._programs: dict[int, Any] = {}
         self._iterators: dict[int, Any] = {}
@@ -243,21 +256,6 @@ class Worker:
 
     def ping(self) -> int:
         return self._index
-
-    @_locked
-    def channel(self) -> tuple:
-        """``(host, port, token)`` of the channel the coordinator sends steps on (``("run", ...)``: ``run``'s arguments)."""
-        if self._server is None:
-            import ray
-
-            self._server = Server(ray.util.get_node_ip_address(), self._request, f"worker {self._index}")
-        return self._server.address
-
-    def _request(self, request: tuple) -> Any:
-        kind, *args = request
-        if kind != "run":
-            raise ValueError(f"unknown worker request {kind!r}; this is a bug in distribute.")
-        return self.run(*args)
 
     @_locked
     def adopt(self) -> None:
