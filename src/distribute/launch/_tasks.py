@@ -8,7 +8,6 @@ import os
 import re
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -16,7 +15,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import IO
 
-
+from distribute.cluster.ports import free_ports
 
 EXIT_TIMEOUT = 124
 _POLL_SECONDS = 0.02
@@ -82,20 +81,6 @@ class LaunchResult:
             if (task.task_type, task.task_id) == (task_type, task_id):
                 return task.output
         raise KeyError(f"no task {task_type} {task_id}; tasks: {[t.name for t in self.tasks]}")
-
-
-def free_ports(count: int) -> list[int]:
-    """Returns `count` distinct TCP ports that are free on 127.0.0.1 right now."""
-    sockets = []
-    try:
-        for _ in range(count):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind(("127.0.0.1", 0))
-            sockets.append(s)
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
 
 
 def build_cluster(num_workers: int, chief: bool = False) -> dict[str, list[str]]:

@@ -49,6 +49,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 from distribute.cluster import _env
+from distribute.cluster.ports import free_ports
 
 # Ray passes an object of up to this size inside the RPC message (by default 100 KiB;
 # larger ones go through the object store: an extra put/get, ~1 ms for 200 KB).  A
@@ -139,24 +140,11 @@ def _ensure_token(env: Mapping[str, str]) -> None:
                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=120)
 
 
-def _free_ports(count: int) -> list[int]:
-    sockets = []
-    try:
-        for _ in range(count):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind(("", 0))
-            sockets.append(s)
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
-
-
 def _port_options(head: bool) -> list[str]:
     """Free ports for the per-node agents whose defaults are fixed (several nodes share one machine here)."""
     names = ["--dashboard-agent-listen-port", "--dashboard-agent-grpc-port", "--metrics-export-port",
              "--runtime-env-agent-port", *(["--ray-client-server-port"] if head else [])]
-    return [f"{name}={port}" for name, port in zip(names, _free_ports(len(names)))]
+    return [f"{name}={port}" for name, port in zip(names, free_ports(len(names), host=""))]
 
 
 class _RayStart:
