@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 from collections.abc import Mapping, Sequence
-
+from typing import Any
 
 from distribute.launch._tasks import (
-    EXIT_TIMEOUT, _POLL_SECONDS, LaunchResult, _command, _describe, _Output, _result, _Signals, _status, _stop, _Task,
-    free_ports, task_environment,
+    LaunchResult, _command, _describe, _Output, _status, _stop, free_ports, supervise, task_environment,
 )
 
 PS_HOST_COMMAND = ("-m", "distribute.parameter_server.nodes")
@@ -62,44 +60,23 @@ def launch_parameter_server(argv_or_command: Sequence[str] | str, num_workers: i
     cluster = build_ps_cluster(num_workers, num_ps)
     base = {**os.environ, **(env or {})}
     base.setdefault("RAY_AUTH_MODE", "token")  # every task's Ray agrees (Ray >= 2.59 defaults differ by role)
-    output, tasks = _Output(echo), []
-    failed: _Task | None = None
-    timed_out, returncode = False, 0
-    with _Signals() as signals:
-        try:
-            for task_type, addresses in cluster.items():
-                for task_id in range(len(addresses)):
-                    task_env = task_environment(base, cluster, task_type, task_id)
-                    tasks.append(_Task(task_type, task_id, command if task_type == "chief" else host, task_env, output))
-            chief, deadline = tasks[0], None if timeout_seconds is None else time.monotonic() + timeout_seconds
-            while True:
-                if chief.proc.poll() is not None:
-                    output.note(f"chief 0 {_describe(chief.proc.returncode)}; stopping the ps and worker tasks")
-                    _stop(tasks, signal.SIGTERM, grace_seconds, signals)
-                    returncode = _status(chief.proc.returncode)
-                    failed = chief if returncode else None
-                    break
-                failed = next((t for t in tasks[1:] if t.proc.poll() not in (None, 0)), None)
-                if failed is not None:
-                    output.note(f"{failed.name} {_describe(failed.proc.returncode)} while the chief was running; "
-                                "stopping every task")
-                    _stop(tasks, signal.SIGTERM, grace_seconds, signals)
-                    returncode = _status(failed.proc.returncode)
-                    break
-                if signals.received:
-                    signum = signals.received[0]
-                    output.note(f"got {signal.Signals(signum).name}; forwarding it to every task")
-                    _stop(tasks, signum, grace_seconds, signals)
-                    returncode = 128 + signum
-                    break
-                if deadline is not None and time.monotonic() >= deadline:
-                    output.note(f"timed out after {timeout_seconds} s; stopping every task")
-                    _stop(tasks, signal.SIGTERM, grace_seconds, signals)
-                    timed_out, returncode = True, EXIT_TIMEOUT
-                    break
-                time.sleep(_POLL_SECONDS)
-        finally:
-            _stop(tasks, signal.SIGKILL, 0.0, signals)
-            for task in tasks:
-                task.join_readers(2.0)
-    return _result(tasks, output, returncode, failed, timed_out)
+    specs = [(task_type, task_id, command if task_type == "chief" else host,
+              task_environment(base, cluster, task_type, task_id))
+             for task_type, addresses in cluster.items() for task_id in range(len(addresses))]
+
+    def ended(tasks: list, output: Any, signals: Any) -> tuple[int, Any] | None:
+        chief = tasks[0]
+        if chief.proc.poll() is not None:
+            output.note(f"chief 0 {_describe(chief.proc.returncode)}; stopping the ps and worker tasks")
+            _stop(tasks, signal.SIGTERM, grace_seconds, signals)
+            returncode = _status(chief.proc.returncode)
+            return returncode, chief if returncode else None
+        failed = next((t for t in tasks[1:] if t.proc.poll() not in (None, 0)), None)
+        if failed is not None:
+            output.note(f"{failed.name} {_describe(failed.proc.returncode)} while the chief was running; "
+                        "stopping every task")
+            _stop(tasks, signal.SIGTERM, grace_seconds, signals)
+            return _status(failed.proc.returncode), failed
+        return None
+
+    return supervise(specs, ended, _Output(echo), timeout_seconds, grace_seconds)

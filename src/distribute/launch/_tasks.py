@@ -13,7 +13,7 @@ import sys
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from typing import IO
+from typing import IO, Any, Callable
 
 from distribute.cluster.ports import free_ports
 
@@ -306,30 +306,45 @@ def launch(argv_or_command: Sequence[str] | str, num_workers: int, devices_per_w
     command = _command(argv_or_command)
     cluster = build_cluster(num_workers, chief)
     base = {**os.environ, **(env or {})}
-    output = _Output(echo)
+    specs = [(task_type, task_id, command, task_environment(base, cluster, task_type, task_id, devices_per_worker))
+             for task_type, addresses in cluster.items() for task_id in range(len(addresses))]
+
+    def ended(tasks: list[_Task], output: _Output, signals: _Signals) -> tuple[int, _Task | None] | None:
+        failed = next((t for t in tasks if t.proc.poll() not in (None, 0)), None)
+        if failed is not None:
+            others = [t.name for t in tasks if t is not failed and t.proc.poll() is None]
+            output.note(f"{failed.name} {_describe(failed.proc.returncode)}; stopping "
+                        f"{', '.join(others) if others else 'nothing (all others exited)'}"
+                        f"{f' (SIGTERM unless they stop within {grace_seconds:g} s)' if others else ''}")
+            _let_stop_by_themselves(tasks, grace_seconds, signals)
+            _stop(tasks, signal.SIGTERM, grace_seconds, signals)
+            return _status(failed.proc.returncode), failed
+        return (0, None) if all(t.proc.poll() == 0 for t in tasks) else None
+
+    return supervise(specs, ended, _Output(echo), timeout_seconds, grace_seconds)
+
+
+def supervise(specs: list[tuple[str, int, list[str], dict[str, str]]], ended: Callable[..., Any], output: _Output,
+              timeout_seconds: float | None, grace_seconds: float) -> LaunchResult:
+    """Starts a task per ``(task_type, task_id, command, env)`` and polls them until the job ends.
+
+    The job ends when ``ended(tasks, output, signals)`` returns ``(returncode,
+    failed task or None)`` (it stops what must stop), when this process gets
+    SIGINT/SIGTERM (forwarded to every task: 128 + N), or at the deadline
+    (SIGTERM to every task: 124).  Whatever still runs then is killed.
+    """
     tasks: list[_Task] = []
     failed: _Task | None = None
-    timed_out = False
-    returncode = 0
+    timed_out, returncode = False, 0
     with _Signals() as signals:
         try:
-            for task_type, addresses in cluster.items():
-                for task_id in range(len(addresses)):
-                    task_env = task_environment(base, cluster, task_type, task_id, devices_per_worker)
-                    tasks.append(_Task(task_type, task_id, command, task_env, output))
+            for task_type, task_id, command, env in specs:
+                tasks.append(_Task(task_type, task_id, command, env, output))
             deadline = None if timeout_seconds is None else time.monotonic() + timeout_seconds
             while True:
-                failed = next((t for t in tasks if t.proc.poll() not in (None, 0)), None)
-                if failed is not None:
-                    others = [t.name for t in tasks if t is not failed and t.proc.poll() is None]
-                    output.note(f"{failed.name} {_describe(failed.proc.returncode)}; stopping "
-                                f"{', '.join(others) if others else 'nothing (all others exited)'}"
-                                f"{f' (SIGTERM unless they stop within {grace_seconds:g} s)' if others else ''}")
-                    _let_stop_by_themselves(tasks, grace_seconds, signals)
-                    _stop(tasks, signal.SIGTERM, grace_seconds, signals)
-                    returncode = _status(failed.proc.returncode)
-                    break
-                if all(t.proc.poll() == 0 for t in tasks):
+                result = ended(tasks, output, signals)
+                if result is not None:
+                    returncode, failed = result
                     break
                 if signals.received:
                     signum = signals.received[0]
