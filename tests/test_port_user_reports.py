@@ -1,0 +1,226 @@
+"""Public tf.distribute bug reports, turned into user programs with the expected behaviour.
+
+Each program is the report's code by substitution (tf.distribute -> distribute, tf.data ->
+distribute.data, tf.keras -> keras, tf.Variable -> keras.Variable, tf ops -> jnp / keras.ops,
+tf.nn.compute_average_loss -> distribute.compute_average_loss). The expected values are TF 2.21's,
+recorded with /work/tfvenv on 2 logical CPU devices (MirroredStrategy(["/cpu:0", "/cpu:1"])), unless
+the README documents a deliberate difference (said at the case). Reports:
+
+- tensorflow/tensorflow#45026 "Reduce on MirroredVariable": all_reduce(SUM) of a MirroredVariable
+  in ``run`` (TF 2.4 gave 1s; TF 2.21 gives 2s on 2 replicas).
+- tensorflow/tensorflow#33388: ``strategy.reduce`` called without ``axis``.
+- tensorflow/tensorflow#31852 "A non-DistributedValues value 8 cannot be reduced".
+- tensorflow/tensorflow#61231 "Support for empty GPU batches" (and #44348): a replica with an empty
+  batch in the last step.
+- tensorflow/tensorflow#30847 "DistributedDataset iteration fails with data of type string" (partial
+  last batch).
+- tensorflow/tensorflow#32076 "distribute_datasets_from_function() does not respect end of iteration"
+  (a ``from_generator`` pipeline that ends).
+- tensorflow/tensorflow#33651 (the custom-training tutorial with a per-pixel loss): a per-example
+  loss of rank 2 in ``compute_average_loss``.
+- tensorflow/tensorflow#58434 "Worker nodes exit early in MultiWorkerMirroredStrategy, causing error
+  task reported on chief node" and #35878 (hangs): 2 workers through the launcher, a last batch
+  that leaves worker 1 empty, and a chief that works on after worker 1 has finished.
+- found by the multi_worker_with_ctl port: a program whose last line is ``manager.save()``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import jax.numpy as jnp
+import keras
+import numpy as np
+import pytest
+from helpers import mirrored
+
+import distribute
+
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+
+
+def lr(s, x):
+    return [np.asarray(t).tolist() for t in s.experimental_local_results(x)]
+
+
+def test_45026_all_reduce_of_a_mirrored_variable_sums_the_replicas():
+    s = mirrored(2)
+    with s.scope():
+        v = keras.Variable(jnp.ones((5,)))
+
+    def fn(value):
+        ctx = distribute.get_replica_context()
+        return ctx.all_reduce(distribute.ReduceOp.SUM, value)
+
+    assert lr(s, s.run(fn, args=(v,))) == [[2.0] * 5, [2.0] * 5]  # TF 2.21 (eager and tf.function)
+    mean = s.run(lambda value: distribute.get_replica_context().all_reduce("MEAN", value), args=(v,))
+    assert lr(s, mean) == [[1.0] * 5, [1.0] * 5]
+    np.testing.assert_array_equal(np.asarray(v.value), np.ones(5))  # the variable is untouched
+
+
+def test_33388_reduce_without_axis():
+    """TF 2.21: TypeError "reduce() missing 1 required positional argument: 'axis'". Here axis
+    defaults to None (TF 1.x's signature), so a TF program never reaches this; the value is the
+    axis=None one."""
+    s = mirrored(2)
+    pr = s.run(lambda: jnp.asarray([1., 2.]))
+    np.testing.assert_array_equal(np.asarray(s.reduce(distribute.ReduceOp.SUM, pr)), [2., 4.])
+    np.testing.assert_array_equal(np.asarray(s.reduce(distribute.ReduceOp.SUM, pr, axis=None)), [2., 4.])
+
+
+def test_31852_sum_of_a_non_distributed_value_raises_as_tf():
+    s = mirrored(2)
+    with pytest.raises(ValueError, match="non-DistributedValues value 8 cannot be reduced"):
+        s.reduce(distribute.ReduceOp.SUM, 8, axis=None)
+
+
+def test_61231_a_replica_with_an_empty_last_batch():
+    s = mirrored(2)
+    ds = s.experimental_distribute_dataset(distribute.data.Dataset.range(5).batch(4))
+
+    def total(t):
+        return jnp.sum(t)
+
+    def mean(t):
+        return keras.ops.mean(keras.ops.cast(t, "float32"))
+
+    def average_loss(t):
+        return distribute.compute_average_loss(keras.ops.cast(t, "float32"))
+
+    steps = []
+    for x in ds:
+        steps.append({"rows": lr(s, x), "sum": lr(s, s.run(total, args=(x,))), "mean": lr(s, s.run(mean, args=(x,))),
+                      "cal": lr(s, s.run(average_loss, args=(x,))),
+                      "reduce_sum": float(s.reduce("SUM", x, axis=0)), "reduce_mean": float(s.reduce("MEAN", x, axis=0))})
+    assert len(steps) == 2
+    first, last = steps
+    # TF 2.21's values
+    assert first["rows"] == [[0, 1], [2, 3]] and last["rows"] == [[4], []]
+    assert first["sum"] == [1, 5] and last["sum"] == [4, 0]
+    assert first["mean"] == [0.5, 2.5]
+    assert last["mean"][0] == 4.0 and np.isnan(last["mean"][1])  # the mean of no rows is NaN, as TF
+    assert (first["reduce_sum"], first["reduce_mean"]) == (6.0, 1.5)
+    assert (last["reduce_sum"], last["reduce_mean"]) == (4.0, 4.0)
+    assert first["cal"] == [0.25, 1.25]
+    # README "Deliberate differences": TF divides by local_batch * replicas (2.0, 0.0); here by the
+    # real global batch size, so the replicas' sum is the true mean of [4]
+    assert last["cal"] == [4.0, 0.0]
+
+
+def test_30847_string_features_with_a_partial_last_batch():
+    s = mirrored(2)
+    ds = distribute.data.Dataset.from_tensor_slices((["a", "b", "c", "d", "e"], [0, 1, 2, 3, 4])).batch(4)
+    steps = []
+    for text, num in s.experimental_distribute_dataset(ds):
+        steps.append(([[t if isinstance(t, str) else t.decode() for t in r] for r in lr(s, text)], lr(s, num)))
+    assert steps == [([["a", "b"], ["c", "d"]], [[0, 1], [2, 3]]), ([["e"], []], [[4], []])]  # TF 2.21
+
+
+def test_32076_distribute_datasets_from_function_ends_with_its_generator():
+    s = mirrored(2)
+
+    def gen():
+        for i in range(5):
+            yield np.full((2,), i, np.int64)
+
+    def dataset_fn(input_context):
+        ds = distribute.data.Dataset.from_generator(gen, output_signature=distribute.data.TensorSpec((2,), "int64"))
+        return ds.shard(input_context.num_input_pipelines, input_context.input_pipeline_id)
+
+    steps = [lr(s, x) for x in s.distribute_datasets_from_function(dataset_fn)]
+    # TF 2.21: each replica takes the pipeline's next element; the 5th has no partner and is dropped
+    assert steps == [[[0, 0], [1, 1]], [[2, 2], [3, 3]]]
+
+
+def test_33651_rank_2_per_example_loss_in_compute_average_loss():
+    s = mirrored(2)
+    x = np.arange(12, dtype=np.float32).reshape(4, 3)
+    batch = next(iter(s.experimental_distribute_dataset(distribute.data.Dataset.from_tensor_slices(x).batch(4))))
+
+    def step(t):
+        return distribute.compute_average_loss(t)
+
+    per_replica = s.run(step, args=(batch,))
+    assert lr(s, per_replica) == [3.75, 12.75]  # TF 2.21: the sum of all elements / global batch 4
+    assert float(s.reduce("SUM", per_replica, axis=None)) == 16.5
+
+
+EXIT_AFTER_SAVE = textwrap.dedent('''
+    import sys
+    import distribute
+    import keras
+    v = keras.Variable(3.0)
+    manager = distribute.CheckpointManager(distribute.Checkpoint(v=v), sys.argv[1], max_to_keep=1)
+    manager.save()
+''')
+
+
+def test_a_save_on_the_last_line_is_committed(tmp_path):
+    """The asynchronous save used to run after Python shut its thread pools: the checkpoint stayed an
+    ``ckpt-1.orbax-checkpoint-tmp`` directory and was lost (TF's save is synchronous)."""
+    (tmp_path / "prog.py").write_text(EXIT_AFTER_SAVE)
+    env = {**os.environ, "PYTHONPATH": SRC, "KERAS_BACKEND": "jax"}
+    env.pop("XLA_FLAGS", None)
+    proc = subprocess.run([sys.executable, str(tmp_path / "prog.py"), str(tmp_path / "ckpt")], capture_output=True,
+                          text=True, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "did not finish" not in proc.stderr
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["ckpt-1"]
+    v = keras.Variable(0.0)
+    distribute.Checkpoint(v=v).restore(distribute.latest_checkpoint(tmp_path / "ckpt"))
+    assert float(np.asarray(v.value)) == 3.0
+
+
+MULTI_WORKER = textwrap.dedent('''
+    import json, os, sys, time
+    import distribute, keras
+    import jax.numpy as jnp
+    import numpy as np
+
+    out = sys.argv[1]
+    strategy = distribute.MultiWorkerMirroredStrategy()
+    ds = strategy.experimental_distribute_dataset(distribute.data.Dataset.range(5).batch(2))
+
+    def step(x):
+        return jnp.sum(x)
+
+    sums = [float(strategy.reduce("SUM", strategy.run(step, args=(x,)), axis=None)) for x in ds]
+    gathered = [np.asarray(strategy.gather(x, axis=0)).tolist() for x in ds]
+    local = [[np.asarray(t).tolist() for t in strategy.experimental_local_results(x)] for x in ds]
+    with strategy.scope():
+        v = keras.Variable(jnp.ones((3,)))
+
+    def fn(value):
+        return distribute.get_replica_context().all_reduce(distribute.ReduceOp.SUM, value)
+
+    all_reduce = [np.asarray(t).tolist() for t in strategy.experimental_local_results(strategy.run(fn, args=(v,)))]
+    task_id = strategy.cluster_resolver.task_id
+    if task_id == 0:
+        time.sleep(3)  # the chief works on (writes a summary) after worker 1 has finished
+    with open(os.path.join(out, "r%d.json" % task_id), "w") as f:
+        json.dump({"sums": sums, "gathered": gathered, "local": local, "all_reduce": all_reduce}, f)
+''')
+
+
+@pytest.mark.multiprocess
+def test_58434_workers_finishing_apart_exit_cleanly_with_uneven_data(tmp_path):
+    (tmp_path / "prog.py").write_text(MULTI_WORKER)
+    env = {**os.environ, "PYTHONPATH": SRC}
+    env.pop("XLA_FLAGS", None)
+    env.pop("TF_CONFIG", None)
+    proc = subprocess.run([sys.executable, "-m", "distribute.launch", "--num-workers", "2", "--timeout-seconds", "90",
+                           str(tmp_path / "prog.py"), str(tmp_path)], capture_output=True, text=True, env=env,
+                          cwd=tmp_path, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "lost worker" not in proc.stdout + proc.stderr
+    w0, w1 = (json.loads((tmp_path / f"r{i}.json").read_text()) for i in (0, 1))
+    # TF's split of the global batches [0, 1], [2, 3], [4] over 2 workers x 1 replica
+    assert w0["sums"] == w1["sums"] == [1.0, 5.0, 4.0]
+    assert w0["gathered"] == w1["gathered"] == [[0, 1], [2, 3], [4]]
+    assert w0["local"] == [[[0]], [[2]], [[4]]] and w1["local"] == [[[1]], [[3]], [[]]]
+    assert w0["all_reduce"] == w1["all_reduce"] == [[2.0, 2.0, 2.0]]  # #45026 across workers
