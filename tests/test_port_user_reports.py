@@ -224,3 +224,59 @@ def test_58434_workers_finishing_apart_exit_cleanly_with_uneven_data(tmp_path):
     assert w0["gathered"] == w1["gathered"] == [[0, 1], [2, 3], [4]]
     assert w0["local"] == [[[0]], [[2]], [[4]]] and w1["local"] == [[[1]], [[3]], [[]]]
     assert w0["all_reduce"] == w1["all_reduce"] == [[2.0, 2.0, 2.0]]  # #45026 across workers
+
+
+def _rnn_fit(strategy, make_layer, x, y, loss, batch_size, epochs=2):
+    def build():
+        keras.utils.set_random_seed(4)
+        model = keras.Sequential([keras.Input(x.shape[1:]), make_layer(), keras.layers.Dense(3, activation="sigmoid")])
+        model.compile(loss=loss, optimizer=keras.optimizers.Adam(0.01))
+        return model
+
+    if strategy is None:
+        model = build()
+    else:
+        with strategy.scope():
+            model = build()
+    history = model.fit(x, y, batch_size=batch_size, epochs=epochs, shuffle=False, verbose=0).history["loss"]
+    return history, _weights_of(model)
+
+
+def _weights_of(model):
+    return [np.asarray(w) for w in model.get_weights()]
+
+
+RNN_LAYERS = {"LSTM": lambda: keras.layers.LSTM(6), "GRU": lambda: keras.layers.GRU(6),
+              "SimpleRNN": lambda: keras.layers.SimpleRNN(6)}
+
+
+@pytest.mark.parametrize("layer", sorted(RNN_LAYERS))
+def test_30513_recurrent_model_fit_under_mirrored_strategy_equals_one_device(layer):
+    """#30513 "tf.distribute cause crash when using RNN model" (LSTM(64) + Dense, fit on batches of 12;
+    here 62 rows of (10, 4) and LSTM/GRU/SimpleRNN(6), so the last batch, 2 rows, splits 1 | 1).
+
+    Every recurrent layer failed here in fit and run under any strategy ("scan body function carry
+    input and carry output must have equal types"; GRU: "Context mesh ... should match the mesh of
+    sharding"), fixed in keras_support/rnn.py and lifting.py."""
+    rng = np.random.default_rng(0)
+    x = (rng.integers(100, size=(62, 10, 4)) / 100).astype(np.float32)
+    y = rng.integers(2, size=(62,)).astype(np.int32)
+    got = _rnn_fit(mirrored(2), RNN_LAYERS[layer], x, y, "sparse_categorical_crossentropy", 12)
+    ref = _rnn_fit(None, RNN_LAYERS[layer], x, y, "sparse_categorical_crossentropy", 12)
+    np.testing.assert_allclose(got[0], ref[0], rtol=1e-5)
+    for a, b in zip(got[1], ref[1]):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_33884_gru_on_one_replica_with_uneven_batches_equals_one_device():
+    """#33884 "GRU layer fails on single GPU when using MirroredStrategy" (batches of 3): one replica, and
+    two replicas, where every batch of 3 splits 2 | 1 (the exact uneven step)."""
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(7, 4, 1)).astype(np.float32)
+    y = rng.random((7, 3)).astype(np.float32)
+    ref = _rnn_fit(None, lambda: keras.layers.GRU(5), x, y, "mse", 3, epochs=1)
+    for replicas in (1, 2):
+        got = _rnn_fit(mirrored(replicas), lambda: keras.layers.GRU(5), x, y, "mse", 3, epochs=1)
+        np.testing.assert_allclose(got[0], ref[0], rtol=1e-5)
+        for a, b in zip(got[1], ref[1]):
+            np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)

@@ -210,7 +210,7 @@ def _make_body(strategy, fn, treedef, kinds, statics, read_vars, write_vars, rec
         args, kwargs = jax.tree_util.tree_unflatten(treedef, leaves)
         mapping = {id(v): sync_on_read.replica_value(v, x) for v, x in zip(read_vars, read_vals)}
         mapping.update({id(v): sync_on_read.replica_value(v, x) for v, x in zip(write_vars, write_vals)})
-        scope = LiftingScope(mapping)
+        scope = LiftingScope(mapping, placeholders=True)
         context = spmd.replica_context(strategy, _batch_rows(leaves, kinds))
         with _context.enter_replica(strategy, context), scope:
             result = fn(*args, **kwargs)

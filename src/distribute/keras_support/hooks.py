@@ -21,7 +21,8 @@ outside a strategy:
   (Dropout masks differ between replicas, as in TF) while the seed generator's
   state stays mirrored;
 * a model compiled in scope trains, evaluates and predicts over all replicas
-  (``trainer.py``).
+  (``trainer.py``);
+* Keras' recurrent layers start their scan from per-replica states (``rnn.py``).
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ def install() -> None:
     """Installs the hooks (idempotent)."""
     if _INSTALLED:
         return
-    from distribute.keras_support import trainer
+    from distribute.keras_support import rnn, trainer
 
     _patch(JaxVariable, "_initialize_layout", _variable_initialize_layout)
     _patch(JaxVariable, "_initialize", _variable_initialized)
@@ -67,6 +68,7 @@ def install() -> None:
     _patch(Metric, "__init__", _metric_init)
     _patch(SeedGenerator, "next", _seed_next)
     trainer.install()
+    rnn.install()
     install_per_thread_attributes()
     _install_activity_regularizer_property(Layer)
     _patch(BatchNormalization, "__init__", _batch_norm_init)
