@@ -280,3 +280,50 @@ def test_33884_gru_on_one_replica_with_uneven_batches_equals_one_device():
         np.testing.assert_allclose(got[0], ref[0], rtol=1e-5)
         for a, b in zip(got[1], ref[1]):
             np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("synchronized", [False, True])
+def test_batch_normalization_in_run_normalizes_per_replica_unless_synchronized(synchronized):
+    """A user's BatchNormalization(training=True) step on 2 replicas whose rows differ: [0, 0] | [2, 2].
+
+    TF 2.21 (recorded, Keras 3 as tf.keras): unsynchronized, each replica normalizes by its own
+    moments (outputs 0); synchronized, by the global ones (-0.9995 / 0.9995); moving variance 0.5
+    and 1.0. The moving mean differs from TF 2.21 + Keras 3 when unsynchronized: TF keeps replica 0's
+    update (0.0), here the replicas' updates are averaged (0.5, tf-keras' MEAN aggregation and the
+    README's "BatchNorm statistics averaged"); synchronized both give 0.5."""
+    s = mirrored(2)
+    x = np.array([[0.], [0.], [2.], [2.]], np.float32)
+    with s.scope():
+        bn = keras.layers.BatchNormalization(momentum=0.5, epsilon=0.001, synchronized=synchronized)
+        bn.build((None, 1))
+    batch = next(iter(s.experimental_distribute_dataset(distribute.data.Dataset.from_tensor_slices(x).batch(4))))
+
+    def step(t):
+        return bn(t, training=True)
+
+    out = lr(s, s.run(step, args=(batch,)))
+    if synchronized:
+        np.testing.assert_allclose(out, [[[-0.9995004], [-0.9995004]], [[0.9995004], [0.9995004]]], rtol=1e-6)
+        np.testing.assert_allclose(np.asarray(bn.moving_variance.value), [1.0], rtol=1e-6)
+    else:
+        assert out == [[[0.0], [0.0]], [[0.0], [0.0]]]
+        np.testing.assert_allclose(np.asarray(bn.moving_variance.value), [0.5], rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(bn.moving_mean.value), [0.5], rtol=1e-6)
+
+
+def test_dropout_masks_differ_between_replicas():
+    """Dropout(0.5) on the same rows on 2 replicas: the masks differ here (tf-keras' behaviour: each
+    replica draws its own numbers). TF 2.21 with Keras 3 as tf.keras gives both replicas one mask
+    (recorded), since Keras 3's seed state is one mirrored variable there."""
+    s = mirrored(2)
+    with s.scope():
+        drop = keras.layers.Dropout(0.5)
+    ones = s.experimental_distribute_dataset(distribute.data.Dataset.from_tensor_slices(np.ones((2, 64), np.float32)).batch(2))
+
+    def step(t):
+        return drop(t, training=True)
+
+    first, second = lr(s, s.run(step, args=(next(iter(ones)),)))
+    assert first != second
+    for out in (np.asarray(first), np.asarray(second)):
+        assert set(np.unique(out).tolist()) <= {0.0, 2.0} and 0 < (out == 0).sum() < out.size
