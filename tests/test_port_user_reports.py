@@ -22,6 +22,9 @@ the README documents a deliberate difference (said at the case). Reports:
   task reported on chief node" and #35878 (hangs): 2 workers through the launcher, a last batch
   that leaves worker 1 empty, and a chief that works on after worker 1 has finished.
 - found by the multi_worker_with_ctl port: a program whose last line is ``manager.save()``.
+- tensorflow/tensorflow#30513 and #33884: LSTM / GRU models under MirroredStrategy.
+- keras-team/tf-keras collective_all_reduce_strategy_test.py (testFitWithoutStepsPerEpochPartialBatch),
+  run in the 2-worker program above.
 """
 
 from __future__ import annotations
@@ -199,11 +202,42 @@ MULTI_WORKER = textwrap.dedent('''
         return distribute.get_replica_context().all_reduce(distribute.ReduceOp.SUM, value)
 
     all_reduce = [np.asarray(t).tolist() for t in strategy.experimental_local_results(strategy.run(fn, args=(v,)))]
+
+    # tf-keras collective_all_reduce_strategy_test.testFitWithoutStepsPerEpochPartialBatch
+    def _model_fn():
+        keras.utils.set_random_seed(2)                   # added: compares with one device
+        x = keras.layers.Input(shape=(1,), name="input")
+        y = keras.layers.Dense(1, name="dense")(x)
+        model = keras.Model(x, y)
+        return model
+
+    def _get_dataset():
+        inputs = jnp.expand_dims(jnp.asarray(range(10)), axis=1)
+        targets = jnp.expand_dims(jnp.asarray(range(10)), axis=1)
+        # Make global batch size 12 for 2 replicas and a non-repeated
+        # dataset with 10 elements so that we have partial batch
+        dataset = distribute.data.Dataset.from_tensor_slices(
+            (np.asarray(inputs), np.asarray(targets))).batch(12, drop_remainder=False)
+        return dataset
+
+    with strategy.scope():
+        optimizer_fn = keras.optimizers.SGD
+        optimizer = optimizer_fn(0.001)
+        model = _model_fn()
+        loss = "mse"
+        metrics = ["mae"]
+        model.compile(optimizer, loss, metrics=metrics)
+    dataset = _get_dataset()
+    kernel_before = float(model.get_weights()[0][0][0])
+    history = model.fit(dataset, epochs=10, verbose=0).history
+    kernel_after = float(model.get_weights()[0][0][0])
+
     task_id = strategy.cluster_resolver.task_id
     if task_id == 0:
         time.sleep(3)  # the chief works on (writes a summary) after worker 1 has finished
     with open(os.path.join(out, "r%d.json" % task_id), "w") as f:
-        json.dump({"sums": sums, "gathered": gathered, "local": local, "all_reduce": all_reduce}, f)
+        json.dump({"sums": sums, "gathered": gathered, "local": local, "all_reduce": all_reduce,
+                   "kernel": [kernel_before, kernel_after], "history": history}, f)
 ''')
 
 
@@ -224,6 +258,21 @@ def test_58434_workers_finishing_apart_exit_cleanly_with_uneven_data(tmp_path):
     assert w0["gathered"] == w1["gathered"] == [[0, 1], [2, 3], [4]]
     assert w0["local"] == [[[0]], [[2]], [[4]]] and w1["local"] == [[[1]], [[3]], [[]]]
     assert w0["all_reduce"] == w1["all_reduce"] == [[2.0, 2.0, 2.0]]  # #45026 across workers
+    # testFitWithoutStepsPerEpochPartialBatch: the kernel moves towards 1 (tf-keras' assertions) and the
+    # 2 workers' fit on the partial batch (6 | 4 rows) equals one device's
+    kernel_before, kernel_after = w0["kernel"]
+    assert kernel_before != kernel_after
+    assert abs(kernel_before - 1) > abs(kernel_after - 1)
+    assert w0["history"] == w1["history"] and w0["kernel"] == w1["kernel"]
+    keras.utils.set_random_seed(2)
+    x = keras.layers.Input(shape=(1,), name="input")
+    model = keras.Model(x, keras.layers.Dense(1, name="dense")(x))
+    model.compile(keras.optimizers.SGD(0.001), "mse", metrics=["mae"])
+    data = np.arange(10)[:, None]
+    ref = model.fit(data, data, batch_size=12, epochs=10, shuffle=False, verbose=0).history
+    np.testing.assert_allclose(w0["history"]["loss"], ref["loss"], rtol=1e-5)
+    np.testing.assert_allclose(w0["history"]["mae"], ref["mae"], rtol=1e-5)
+    np.testing.assert_allclose(kernel_after, float(model.get_weights()[0][0][0]), rtol=1e-5)
 
 
 def _rnn_fit(strategy, make_layer, x, y, loss, batch_size, epochs=2):
