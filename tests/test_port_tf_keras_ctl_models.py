@@ -15,6 +15,15 @@ strategy (one device) gives the same weights, as tf.distribute promises for grad
 replicas (``_get_dataset``: 31 rows in batches of 10, so the last step is uneven, 1 | 0 rows);
 test_lstm's per-replica ``reduce_mean`` loss makes TF's summed gradient R times one device's mean
 gradient, which is asserted; test_variable_run_argument is checked against its closed form.
+Changes beyond substitution: the models are built before the step (Keras 3 builds on the first call;
+the program as TF writes it, building inside the step, is the strict xfail at the end: compute_gradients
+takes the variable list before the forward pass); ``nested_tf_functions`` gives model2 its own optimizer
+(a Keras 3 optimizer is bound to the variables it first updates).
+
+Found by this port (fixed): every Keras RNN layer failed inside ``run`` and ``fit`` under any strategy
+(keras_support/rnn.py, lifting.py); ``compute_gradients`` refused a per-example loss vector and the
+integer seed state in an LSTM's ``model.variables`` (tape.gradient sums the target and gives None).
+
 Not ported: test_batch_norm_with_dynamic_batch (zeros in and out: per-replica batch statistics
 are not observable), test_customized_tf_module_run (tf.Module), test_reduce_loss (Keras 3 gives NaN
 for its zero logits on every strategy alike), the XLA/TPU class.
@@ -235,7 +244,7 @@ def test_nested_tf_functions(name, tmp_path):
     distribution = make(name)
     rng = np.random.default_rng(2)
     inputs = rng.random((10, 3)).astype(np.float32)
-    rng_inputs = inputs
+    host_inputs = inputs
     targets = np.ones((10, 4), dtype=np.float32)
     dataset = Dataset.from_tensor_slices((inputs, targets)).repeat()
     dataset = dataset.batch(10)
@@ -297,7 +306,7 @@ def test_nested_tf_functions(name, tmp_path):
     # added: they moved by SGD's first step on the summed gradient (momentum starts at 0)
     ref = get_model()
     ref.set_weights(initial)
-    _, grads = distribute.compute_gradients(lambda: keras.losses.mean_squared_error(targets, ref(rng_inputs)),
+    _, grads = distribute.compute_gradients(lambda: keras.losses.mean_squared_error(targets, ref(host_inputs)),
                                             ref.variables)
     _assert_same(_weights(model), [w - 0.1 * np.asarray(g) for w, g in zip(initial, grads)])
 

@@ -366,20 +366,12 @@ def _replica_id():
     return distribute.get_replica_context().replica_id_in_sync_group
 
 
-_SUM_XFAIL = pytest.mark.xfail(strict=True, reason=(
-    "a trainable keras.Variable(aggregation='sum') updated by the optimizer inside run counts the update once "
-    "per replica: var 1.98 after the first step (TF 2.21, recorded with Keras 3's Adam for SUM, MEAN and NONE "
-    "aggregation: 1.99, m 1.2, v 1.8). TF applies optimizer updates in cross-replica context "
-    "(extended.update), where aggregation does not apply; here the optimizer's assign_sub goes through "
-    "combine_replicas' 'sum: every replica's change counts' rule (meant for metrics). Remedy: mark writes made "
-    "inside the optimizer's apply (hooks._optimizer_apply) as updates and combine them as identical values "
-    "(replica.combine_replicas, uneven.ThreadedReplicaContext._combine_all)."))
-
-
 @pytest.mark.parametrize("aggregation", ["sum", "mean", "none"])
-def test_keras_optimizer_with_unequal_input(aggregation, request):
-    if aggregation == "sum":
-        request.applymarker(_SUM_XFAIL)
+def test_keras_optimizer_with_unequal_input(aggregation):
+    """TF 2.21 (recorded, Keras 3's Adam, eager MirroredStrategy): 1.99 / 1.98 for SUM, MEAN and NONE.
+
+    Before the fix a SUM variable's optimizer update counted once per replica (1.98 after one step):
+    the optimizer's write went through the "every replica's change counts" rule meant for metrics."""
     distribution = mirrored(2)
     with distribution.scope():
         var = keras.Variable(2.0, name="var", aggregation=aggregation)  # TF's test: SUM
@@ -417,3 +409,22 @@ def test_keras_optimizer_with_unequal_input(aggregation, request):
         np.testing.assert_allclose(slot("momentum"), 1.44, rtol=1e-6)
         # v(2) = beta2 * v(1) + (1-beta2) * grad^2 = 0.2 * 1.8 + 0.8 * 2.25
         np.testing.assert_allclose(slot("velocity"), 2.16, rtol=1e-6)
+
+
+@pytest.mark.parametrize("aggregation", ["sum", "mean", "none"])
+def test_optimizer_update_of_an_aggregated_variable_in_an_uneven_step(aggregation):
+    """Added: the same rule in an uneven step (rows [1, 2] | [3]): SGD(0.1) on mean(x) * var per replica
+    sums the gradients 1.5 + 3.0, so var = 2 - 0.45 = 1.55 whatever the aggregation (TF: extended.update)."""
+    distribution = mirrored(2)
+    with distribution.scope():
+        var = keras.Variable(2.0, name="var", aggregation=aggregation)
+        optimizer = keras.optimizers.SGD(0.1)
+
+    def step(x):
+        _, grads = distribute.compute_gradients(lambda: keras.ops.mean(x) * var, [var])
+        optimizer.apply_gradients(zip(grads, [var]))
+
+    batch = next(iter(distribution.experimental_distribute_dataset(Dataset.from_tensor_slices(
+        np.array([1., 2., 3.], np.float32)).batch(3))))
+    distribution.run(step, args=(batch,))
+    np.testing.assert_allclose(float(np.asarray(var.value)), 1.55, rtol=1e-6)

@@ -53,11 +53,15 @@ class LiftingScope(StatelessScope):
         self.plain: set[int] = set()  # variables whose last write was a plain assign (not assign_add/sub)
         self.additive_depth = 0  # > 0 inside assign_add / assign_sub
         self.placeholders = placeholders
+        self.updates: set[int] = set()  # variables an optimizer updated (TF: extended.update, cross-replica)
+        self.update_depth = 0  # > 0 inside an optimizer's apply
 
     def add_update(self, update: tuple) -> None:
         variable, value = update
         self.state_mapping[id(variable)] = value
         self.written[id(variable)] = variable
+        if self.update_depth:
+            self.updates.add(id(variable))
         if self.additive_depth:
             self.plain.discard(id(variable))
         else:

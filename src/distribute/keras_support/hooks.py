@@ -117,13 +117,24 @@ def _optimizer_init(original):
 
 def _optimizer_apply(original):
     def apply(self, grads, trainable_variables=None):
+        from distribute.tracing import LiftingScope
+
         context = _context.current_replica_context()
         if context is not None and context._in_program:
             strategy = context.strategy
             # Its step counter was created with it: the same error as for any variable.
             check_ownership(strategy, [self.iterations])
             grads = context._sum_gradients(list(grads))
-        return original(self, grads, trainable_variables)
+        scope = get_stateless_scope()
+        if context is None or not isinstance(scope, LiftingScope):
+            return original(self, grads, trainable_variables)
+        # TF applies the (summed) update in cross-replica context (extended.update): a
+        # variable's aggregation does not count it once per replica.
+        scope.update_depth += 1
+        try:
+            return original(self, grads, trainable_variables)
+        finally:
+            scope.update_depth -= 1
 
     return apply
 
