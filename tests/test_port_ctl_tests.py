@@ -13,11 +13,14 @@ over 1 and over 2 CPU devices; ``multidevice_strategies`` -> MirroredStrategy ov
 
 The expected numbers are the tests' own assertions. TensorFlow 2.21 runs these files with Keras 3 as
 ``tf.keras``, where ``apply_gradients`` has no ``experimental_aggregate_gradients`` argument: TF 2.21
-raises ``TypeError`` for it (recorded with /work/tfvenv), and so do we; its default (aggregate) case
+raises ``TypeError`` for it (recorded: tests/parity/record_tf_reports.py), and so do we; its default (aggregate) case
 gives TF's [[-0.3, -0.3], [-0.3, -0.3]] (recorded on TF 2.21 + Keras 3.15 with 2 CPU devices).
 """
 
 from __future__ import annotations
+
+import json
+import pathlib
 
 import jax.numpy as jnp
 import keras
@@ -27,6 +30,9 @@ from helpers import mirrored
 
 import distribute
 from distribute.data import Dataset
+
+# TF 2.21's answers, recorded by tests/parity/record_tf_reports.py (2 logical CPU devices)
+TF = json.loads((pathlib.Path(__file__).parent / "parity" / "tf_2_21_reports.json").read_text())
 
 ALL_STRATEGIES = ["default", "one_device", "mirrored_1", "mirrored_2"]
 
@@ -156,12 +162,14 @@ def test_custom_aggregation_aggregates_gradients():
         with distribution.scope():  # added: see the xfail above
             return distribute.PerReplica([jnp.asarray([1., 1.]), jnp.asarray([2., 2.])])
 
+    np.testing.assert_allclose(TF["custom_aggregation"]["None"], [[-0.3, -0.3], [-0.3, -0.3]], rtol=1e-6)
     np.testing.assert_allclose(_custom_aggregation(distribution, grads), [[-0.3, -0.3], [-0.3, -0.3]], rtol=1e-6)
 
 
 @pytest.mark.parametrize("experimental_aggregate_gradients", [True, False])
 def test_experimental_aggregate_gradients_is_not_a_keras3_argument(experimental_aggregate_gradients):
     """TF 2.21 with Keras 3 raises TypeError for the argument (recorded); so do we, on any strategy."""
+    assert TF["custom_aggregation"][str(experimental_aggregate_gradients)]["error"] == "TypeError"
     distribution = mirrored(2)
     with distribution.scope():
         v = keras.Variable([0., 0.])

@@ -3,8 +3,9 @@
 Each program is the report's code by substitution (tf.distribute -> distribute, tf.data ->
 distribute.data, tf.keras -> keras, tf.Variable -> keras.Variable, tf ops -> jnp / keras.ops,
 tf.nn.compute_average_loss -> distribute.compute_average_loss). The expected values are TF 2.21's,
-recorded with /work/tfvenv on 2 logical CPU devices (MirroredStrategy(["/cpu:0", "/cpu:1"])), unless
-the README documents a deliberate difference (said at the case). Reports:
+recorded by tests/parity/record_tf_reports.py into tests/parity/tf_2_21_reports.json on 2 logical CPU
+devices (MirroredStrategy(["/cpu:0", "/cpu:1"])), unless the README documents a deliberate difference
+or the case says why it differs. Reports:
 
 - tensorflow/tensorflow#45026 "Reduce on MirroredVariable": all_reduce(SUM) of a MirroredVariable
   in ``run`` (TF 2.4 gave 1s; TF 2.21 gives 2s on 2 replicas).
@@ -45,6 +46,8 @@ from helpers import mirrored
 import distribute
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
+# TF 2.21's answers, recorded by tests/parity/record_tf_reports.py (2 logical CPU devices)
+TF = json.loads((Path(__file__).parent / "parity" / "tf_2_21_reports.json").read_text())
 
 
 def lr(s, x):
@@ -60,9 +63,10 @@ def test_45026_all_reduce_of_a_mirrored_variable_sums_the_replicas():
         ctx = distribute.get_replica_context()
         return ctx.all_reduce(distribute.ReduceOp.SUM, value)
 
-    assert lr(s, s.run(fn, args=(v,))) == [[2.0] * 5, [2.0] * 5]  # TF 2.21 (eager and tf.function)
+    tf = TF["all_reduce_mirrored_variable"]
+    assert lr(s, s.run(fn, args=(v,))) == tf["sum"] == tf["sum_tf_function"] == [[2.0] * 5, [2.0] * 5]
     mean = s.run(lambda value: distribute.get_replica_context().all_reduce("MEAN", value), args=(v,))
-    assert lr(s, mean) == [[1.0] * 5, [1.0] * 5]
+    assert lr(s, mean) == tf["mean"] == [[1.0] * 5, [1.0] * 5]
     np.testing.assert_array_equal(np.asarray(v.value), np.ones(5))  # the variable is untouched
 
 
@@ -70,6 +74,7 @@ def test_33388_reduce_without_axis():
     """TF 2.21: TypeError "reduce() missing 1 required positional argument: 'axis'". Here axis
     defaults to None (TF 1.x's signature), so a TF program never reaches this; the value is the
     axis=None one."""
+    assert TF["reduce_without_axis"]["error"] == "TypeError"
     s = mirrored(2)
     pr = s.run(lambda: jnp.asarray([1., 2.]))
     np.testing.assert_array_equal(np.asarray(s.reduce(distribute.ReduceOp.SUM, pr)), [2., 4.])
@@ -77,6 +82,7 @@ def test_33388_reduce_without_axis():
 
 
 def test_31852_sum_of_a_non_distributed_value_raises_as_tf():
+    assert TF["reduce_python_int"]["error"] == "ValueError"
     s = mirrored(2)
     with pytest.raises(ValueError, match="non-DistributedValues value 8 cannot be reduced"):
         s.reduce(distribute.ReduceOp.SUM, 8, axis=None)
@@ -102,6 +108,12 @@ def test_61231_a_replica_with_an_empty_last_batch():
                       "reduce_sum": float(s.reduce("SUM", x, axis=0)), "reduce_mean": float(s.reduce("MEAN", x, axis=0))})
     assert len(steps) == 2
     first, last = steps
+    tf_first, tf_last = TF["empty_replica"]
+    for key in ("rows", "sum", "reduce_sum", "reduce_mean"):
+        assert first[key] == tf_first[key] and last[key] == tf_last[key], key
+    assert first["mean"] == tf_first["mean"] and first["cal"] == tf_first["average_loss"]
+    assert tf_last["mean"] == [4.0, None]  # NaN, recorded as null
+    assert tf_last["average_loss"] == [2.0, 0.0]
     # TF 2.21's values
     assert first["rows"] == [[0, 1], [2, 3]] and last["rows"] == [[4], []]
     assert first["sum"] == [1, 5] and last["sum"] == [4, 0]
@@ -121,7 +133,8 @@ def test_30847_string_features_with_a_partial_last_batch():
     steps = []
     for text, num in s.experimental_distribute_dataset(ds):
         steps.append(([[t if isinstance(t, str) else t.decode() for t in r] for r in lr(s, text)], lr(s, num)))
-    assert steps == [([["a", "b"], ["c", "d"]], [[0, 1], [2, 3]]), ([["e"], []], [[4], []])]  # TF 2.21
+    assert steps == [(step["text"], step["num"]) for step in TF["strings_partial_batch"]]
+    assert steps == [([["a", "b"], ["c", "d"]], [[0, 1], [2, 3]]), ([["e"], []], [[4], []])]
 
 
 def test_32076_distribute_datasets_from_function_ends_with_its_generator():
@@ -137,7 +150,7 @@ def test_32076_distribute_datasets_from_function_ends_with_its_generator():
 
     steps = [lr(s, x) for x in s.distribute_datasets_from_function(dataset_fn)]
     # TF 2.21: each replica takes the pipeline's next element; the 5th has no partner and is dropped
-    assert steps == [[[0, 0], [1, 1]], [[2, 2], [3, 3]]]
+    assert steps == TF["from_generator_end"] == [[[0, 0], [1, 1]], [[2, 2], [3, 3]]]
 
 
 def test_33651_rank_2_per_example_loss_in_compute_average_loss():
@@ -149,8 +162,9 @@ def test_33651_rank_2_per_example_loss_in_compute_average_loss():
         return distribute.compute_average_loss(t)
 
     per_replica = s.run(step, args=(batch,))
-    assert lr(s, per_replica) == [3.75, 12.75]  # TF 2.21: the sum of all elements / global batch 4
-    assert float(s.reduce("SUM", per_replica, axis=None)) == 16.5
+    # TF 2.21: the sum of all elements / global batch 4
+    assert lr(s, per_replica) == TF["rank2_average_loss"]["per_replica"] == [3.75, 12.75]
+    assert float(s.reduce("SUM", per_replica, axis=None)) == TF["rank2_average_loss"]["sum"] == 16.5
 
 
 EXIT_AFTER_SAVE = textwrap.dedent('''
@@ -295,8 +309,7 @@ def _weights_of(model):
     return [np.asarray(w) for w in model.get_weights()]
 
 
-RNN_LAYERS = {"LSTM": lambda: keras.layers.LSTM(6), "GRU": lambda: keras.layers.GRU(6),
-              "SimpleRNN": lambda: keras.layers.SimpleRNN(6)}
+RNN_LAYERS = {"LSTM": lambda: keras.layers.LSTM(6), "GRU": lambda: keras.layers.GRU(6)}  # SimpleRNN: as LSTM
 
 
 @pytest.mark.parametrize("layer", sorted(RNN_LAYERS))
@@ -318,8 +331,8 @@ def test_30513_recurrent_model_fit_under_mirrored_strategy_equals_one_device(lay
 
 
 def test_33884_gru_on_one_replica_with_uneven_batches_equals_one_device():
-    """#33884 "GRU layer fails on single GPU when using MirroredStrategy" (batches of 3): one replica, and
-    two replicas, where every batch of 3 splits 2 | 1 (the exact uneven step)."""
+    """#33884 "GRU layer fails on single GPU when using MirroredStrategy" (batches of 3): one replica (the
+    report's case), and two, where every batch of 3 splits 2 | 1 (the exact uneven step)."""
     rng = np.random.default_rng(1)
     x = rng.normal(size=(7, 4, 1)).astype(np.float32)
     y = rng.random((7, 3)).astype(np.float32)
@@ -351,6 +364,10 @@ def test_batch_normalization_in_run_normalizes_per_replica_unless_synchronized(s
         return bn(t, training=True)
 
     out = lr(s, s.run(step, args=(batch,)))
+    tf = TF["batch_normalization"]["synchronized" if synchronized else "unsynchronized"]
+    np.testing.assert_allclose(out, tf["out"], rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(bn.moving_variance.value), tf["moving_variance"], rtol=1e-6)
+    assert tf["moving_mean"] == ([0.5] if synchronized else [0.0])
     if synchronized:
         np.testing.assert_allclose(out, [[[-0.9995004], [-0.9995004]], [[0.9995004], [0.9995004]]], rtol=1e-6)
         np.testing.assert_allclose(np.asarray(bn.moving_variance.value), [1.0], rtol=1e-6)
@@ -373,6 +390,7 @@ def test_dropout_masks_differ_between_replicas():
         return drop(t, training=True)
 
     first, second = lr(s, s.run(step, args=(next(iter(ones)),)))
+    assert TF["dropout_masks_differ"] is False  # TF 2.21 + Keras 3: one mask
     assert first != second
     for out in (np.asarray(first), np.asarray(second)):
         assert set(np.unique(out).tolist()) <= {0.0, 2.0} and 0 < (out == 0).sum() < out.size
