@@ -394,3 +394,39 @@ def test_dropout_masks_differ_between_replicas():
     assert first != second
     for out in (np.asarray(first), np.asarray(second)):
         assert set(np.unique(out).tolist()) <= {0.0, 2.0} and 0 < (out == 0).sum() < out.size
+
+
+def test_learning_rate_callbacks_under_mirrored_strategy_equal_one_device():
+    """A user's fit with LearningRateScheduler, ReduceLROnPlateau and EarlyStopping (each assigns the
+    optimizer's learning rate between epochs, in cross-replica context): the compiled steps see every
+    change, so 2 replicas give one device's history, learning rates and weights (40 rows, batches of 16:
+    the last one uneven, 4 | 4)."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(40, 3)).astype(np.float32)
+    y = (x @ np.array([[1.], [-2.], [0.5]], np.float32)).astype(np.float32)
+
+    def program(strategy):
+        def build():
+            keras.utils.set_random_seed(3)
+            model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+            model.compile(loss="mse", optimizer=keras.optimizers.SGD(0.1), metrics=["mae"])
+            return model
+
+        if strategy is None:
+            model = build()
+        else:
+            with strategy.scope():
+                model = build()
+        callbacks = [keras.callbacks.LearningRateScheduler(lambda epoch, lr: lr * 0.5 if epoch >= 1 else lr),
+                     keras.callbacks.ReduceLROnPlateau(monitor="loss", factor=0.1, patience=0, min_delta=10.0),
+                     keras.callbacks.EarlyStopping(monitor="loss", patience=10)]
+        history = model.fit(x, y, batch_size=16, epochs=4, shuffle=False, verbose=0, callbacks=callbacks).history
+        return history, _weights_of(model), float(np.asarray(model.optimizer.learning_rate))
+
+    got, ref = program(mirrored(2)), program(None)
+    np.testing.assert_allclose(got[0]["learning_rate"], [0.1, 0.05, 0.0025, 0.000125], rtol=1e-5)
+    for key in ("loss", "mae", "learning_rate"):
+        np.testing.assert_allclose(got[0][key], ref[0][key], rtol=1e-5)
+    for a, b in zip(got[1], ref[1]):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    assert got[2] == pytest.approx(ref[2]) == pytest.approx(1.25e-5)
