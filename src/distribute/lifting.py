@@ -30,9 +30,17 @@ class LiftingScope(StatelessScope):
 
     Reads of variables it does not map are recorded in ``missing`` (and answered
     by the parent scope, if any); assignments are recorded in ``written``.
+
+    With ``placeholders`` (a discovery trace inside the SPMD program, whose results
+    are thrown away once ``missing`` is known), an unmapped variable reads as zeros of
+    its shape and dtype instead of its concrete array: that array is sharded on the
+    strategy's (automatic) mesh, and some ops refuse it inside ``shard_map``'s
+    manual context (indexing a GRU's bias: "Context mesh ... should match the mesh
+    of sharding ...").
     """
 
-    def __init__(self, mapping: dict[int, Any], parent: "LiftingScope | None" = None, device: Any = None):
+    def __init__(self, mapping: dict[int, Any], parent: "LiftingScope | None" = None, device: Any = None,
+                 placeholders: bool = False):
         # StatelessScope.__init__ converts values eagerly; ours are tracers already.
         self.collect_losses = False
         self.initialize_variables = False
@@ -44,11 +52,16 @@ class LiftingScope(StatelessScope):
         self.device = device  # an uneven step's replica device: unmapped variables read their copy there
         self.plain: set[int] = set()  # variables whose last write was a plain assign (not assign_add/sub)
         self.additive_depth = 0  # > 0 inside assign_add / assign_sub
+        self.placeholders = placeholders
+        self.updates: set[int] = set()  # variables an optimizer updated (TF: extended.update, cross-replica)
+        self.update_depth = 0  # > 0 inside an optimizer's apply
 
     def add_update(self, update: tuple) -> None:
         variable, value = update
         self.state_mapping[id(variable)] = value
         self.written[id(variable)] = variable
+        if self.update_depth:
+            self.updates.add(id(variable))
         if self.additive_depth:
             self.plain.discard(id(variable))
         else:
@@ -62,6 +75,8 @@ class LiftingScope(StatelessScope):
             value = self.state_mapping[id(variable)] = local_value(variable, self.device)
         if value is None:
             self.missing[id(variable)] = variable
+            if self.placeholders and variable._value is not None:
+                value = jnp.zeros(variable.shape, variable.dtype)
         return value
 
 

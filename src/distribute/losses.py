@@ -65,14 +65,20 @@ def scale_regularization_loss(regularization_loss: Any) -> Any:
     """Divides a regularization loss by the number of replicas (``tf.nn.scale_regularization_loss``).
 
     Each replica adds it once, so the sum over replicas counts it once: with 2
-    replicas, 0.4 -> 0.2.
+    replicas, 0.4 -> 0.2. As TF, the loss is summed first: a list or tuple of
+    losses (``model.losses``) adds up (``[0.4, 0.2]`` -> 0.3 on 2 replicas; ``[]`` -> 0.0)
+    and an array sums over all its elements, so the result is a scalar.
 
     Raises:
         RuntimeError: called in cross-replica context (as TF).
     """
     context = _replica_context("scale_regularization_loss", True)
     num_replicas = 1 if context is None else context.num_replicas_in_sync
-    return jnp.asarray(regularization_loss) / num_replicas
+    if isinstance(regularization_loss, (list, tuple)):
+        total = sum((jnp.sum(jnp.asarray(loss)) for loss in regularization_loss), jnp.zeros((), jnp.float32))
+    else:
+        total = jnp.sum(jnp.asarray(regularization_loss))
+    return total / num_replicas
 
 
 def _replica_context(what: str, needed: bool):

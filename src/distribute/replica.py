@@ -128,26 +128,32 @@ class ReplicaContext:
             return values
         return [to_varying(x) for x in values]
 
-    def _combine_all(self, variables: list, new: list, old: list, plain: frozenset = frozenset()) -> list:
+    def _combine_all(self, variables: list, new: list, old: list, plain: frozenset = frozenset(),
+                     updates: frozenset = frozenset()) -> list:
         """Makes assigned variables identical on every replica, by their aggregation.
 
         ``plain``: ids of the variables whose last write was a plain ``assign``
         (a ``sum`` variable then holds the sum of the assigned values, as TF's
         MirroredVariable; otherwise, after ``assign_add``, every replica's change).
+        ``updates``: ids of the variables an optimizer wrote (combined as identical values).
         """
         if not self._in_program:
             return list(new)
-        return [combine_replicas(v, n, o, id(v) in plain) for v, n, o in zip(variables, new, old)]
+        return [combine_replicas(v, n, o, id(v) in plain, id(v) in updates) for v, n, o in zip(variables, new, old)]
 
     def __repr__(self) -> str:
         return f"ReplicaContext(strategy={self._strategy!r})"
 
 
 # -- the SPMD program's collectives (JAX's varying-manual-axes typing tells what differs) --
-def combine_replicas(var: Any, new: Any, old: Any, plain: bool = False) -> Any:
-    """Makes a variable's new value identical on every replica, by its aggregation."""
+def combine_replicas(var: Any, new: Any, old: Any, plain: bool = False, update: bool = False) -> Any:
+    """Makes a variable's new value identical on every replica, by its aggregation.
+
+    ``update``: an optimizer's write (of already summed gradients); TF applies it in
+    cross-replica context, where the aggregation does not apply.
+    """
     new = jnp.asarray(new, dtype=old.dtype)
-    aggregation = var.aggregation
+    aggregation = "mean" if update and var.aggregation == "sum" else var.aggregation
     if aggregation == "sum" and plain:
         return lax.psum(to_varying(new), AXIS)  # TF: assign in replica context sums the values
     if aggregation == "sum":

@@ -162,7 +162,8 @@ def aggregate(context: Any, variables: Sequence[Any], new: Sequence[Any]) -> lis
     ]
 
 
-def combine_all(context: Any, variables: Sequence[Any], new: Sequence[Any], old: Sequence[Any], plain: frozenset = frozenset()) -> list:
+def combine_all(context: Any, variables: Sequence[Any], new: Sequence[Any], old: Sequence[Any], plain: frozenset = frozenset(),
+                updates: frozenset = frozenset()) -> list:
     """Every assigned variable's result: ``(copy, aggregate)`` for tracked ones, else ``context._combine_all``.
 
     ``new`` / ``old``: this replica's values (its copy for tracked variables).
@@ -172,7 +173,7 @@ def combine_all(context: Any, variables: Sequence[Any], new: Sequence[Any], old:
     mine = [i for i, t in enumerate(is_tracked) if t]
     rest = [i for i, t in enumerate(is_tracked) if not t]
     out: list = [None] * len(variables)
-    combined = context._combine_all([variables[i] for i in rest], [new[i] for i in rest], [old[i] for i in rest], plain) if rest else []
+    combined = context._combine_all([variables[i] for i in rest], [new[i] for i in rest], [old[i] for i in rest], plain, updates) if rest else []
     for i, value in zip(rest, combined):
         out[i] = value
     aggregates = aggregate(context, [variables[i] for i in mine], [new[i] for i in mine])

@@ -210,14 +210,14 @@ def _make_body(strategy, fn, treedef, kinds, statics, read_vars, write_vars, rec
         args, kwargs = jax.tree_util.tree_unflatten(treedef, leaves)
         mapping = {id(v): sync_on_read.replica_value(v, x) for v, x in zip(read_vars, read_vals)}
         mapping.update({id(v): sync_on_read.replica_value(v, x) for v, x in zip(write_vars, write_vals)})
-        scope = LiftingScope(mapping)
+        scope = LiftingScope(mapping, placeholders=True)
         context = spmd.replica_context(strategy, _batch_rows(leaves, kinds))
         with _context.enter_replica(strategy, context), scope:
             result = fn(*args, **kwargs)
         record.missing = scope.missing
         record.written = scope.written
         old_vals = [mapping[id(v)] for v in write_vars]
-        new_vals = sync_on_read.combine_all(context, write_vars, [scope.state_mapping[id(v)] for v in write_vars], old_vals, frozenset(scope.plain))
+        new_vals = sync_on_read.combine_all(context, write_vars, [scope.state_mapping[id(v)] for v in write_vars], old_vals, frozenset(scope.plain), frozenset(scope.updates))
         new_vals = [(n[0][None], n[1]) if isinstance(n, tuple) else n for n in new_vals]
         out_leaves, record.out_tree = jax.tree_util.tree_flatten(result, is_leaf=lifting.is_keras_variable)
         record.out_kinds, record.out_statics, arrays = lifting.classify_outputs(out_leaves)

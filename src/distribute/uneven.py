@@ -335,7 +335,8 @@ class ThreadedReplicaContext(ReplicaContext):
     def _prepare_for_gradients(self, values: list) -> list:
         return values
 
-    def _combine_all(self, variables: Sequence[Any], new: Sequence[Any], old: Sequence[Any], plain: frozenset = frozenset()) -> list:
+    def _combine_all(self, variables: Sequence[Any], new: Sequence[Any], old: Sequence[Any], plain: frozenset = frozenset(),
+                     updates: frozenset = frozenset()) -> list:
         """Makes assigned variables identical on every replica, by their aggregation (as the SPMD path).
 
         ``sum``: every replica's change counts; values equal on every replica stay;
@@ -349,7 +350,8 @@ class ThreadedReplicaContext(ReplicaContext):
             return []
         new = [jnp.asarray(n, dtype=o.dtype) for n, o in zip(new, old)]
         first = self._replica == 0
-        summed = [v.aggregation == "sum" for v in variables]
+        # an optimizer's write of a sum variable (identical values) is not a replica's change
+        summed = [v.aggregation == "sum" and id(v) not in updates for v in variables]
         # Round 1: every replica's change of the sum variables; replica 0's value of the others.
         assigned = [id(v) in plain for v in variables]
         probe = [(n if a else n - o) if is_sum else jnp.where(first, n, jnp.zeros_like(n)) for n, o, is_sum, a in zip(new, old, summed, assigned)]

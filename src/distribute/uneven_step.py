@@ -47,6 +47,7 @@ def run(strategy, fn, treedef, kinds, dynamic, statics, key, lengths, program) -
             replica_id = _replica_id_on(context._replica, context._device)
             new_vals, arrays = jax.block_until_ready(local_program.compiled(known_vals, dynamic_local, replica_id))
             written, out_tree, plain = local_program.written, local_program.out_tree, local_program.plain
+            updates = local_program.updates
             arrays = iter(arrays)
             out_leaves = [static if kind == lifting.STATIC_OUT else next(arrays) for kind, static in zip(local_program.out_kinds, local_program.out_statics)]
             by_id = {id(v): x for v, x in zip(known, known_vals)}
@@ -63,9 +64,10 @@ def run(strategy, fn, treedef, kinds, dynamic, statics, key, lengths, program) -
             old = [lifting.local_value(v, context._device) for v in written]
             new = [scope.state_mapping[id(v)] if id(v) in scope.written else o for v, o in zip(written, old)]
             plain = frozenset(scope.plain)
+            updates = frozenset(scope.updates)
             out_leaves, out_tree = jax.tree_util.tree_flatten(result, is_leaf=lifting.is_keras_variable)
             out_leaves = [x if lifting.is_python_constant(x) else lifting.as_output(x) for x in out_leaves]
-        combined = sync_on_read.combine_all(context, written, new, old, plain)
+        combined = sync_on_read.combine_all(context, written, new, old, plain, updates)
         rows = None
         if multi_process and out_leaves:
             rows = context._everyones(jnp.asarray([np.shape(x)[0] if np.ndim(x) else -1 for x in out_leaves], jnp.int32))
@@ -111,6 +113,7 @@ class _LocalProgram:
     compiled: Any
     written: list
     plain: frozenset
+    updates: frozenset
     out_tree: Any
     out_kinds: list
     out_statics: list
@@ -165,6 +168,7 @@ def _trace_local_program(strategy, fn, treedef, kinds, statics, cache_key, known
             raise uneven.NeedsEager("a variable the discovery did not see")
         out_leaves, record["out_tree"] = jax.tree_util.tree_flatten(result, is_leaf=lifting.is_keras_variable)
         record["written"], record["plain"] = written, frozenset(scope.plain)
+        record["updates"] = frozenset(scope.updates)
         record["out_kinds"] = [lifting.STATIC_OUT if lifting.is_python_constant(x) else lifting.ARRAY_OUT for x in out_leaves]
         record["out_statics"] = [x if lifting.is_python_constant(x) else None for x in out_leaves]
         new = [scope.state_mapping[id(v)] if id(v) in scope.written else by_id[id(v)] for v in written]

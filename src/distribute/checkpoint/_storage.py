@@ -117,6 +117,7 @@ class _Writer:
         import orbax.checkpoint as ocp
 
         self.wait()
+        _wait_before_thread_shutdown()
         with _pending_lock:
             _pending.add(self)
         self._in_flight, self._on_commit = str(path), on_commit
@@ -168,6 +169,29 @@ def _wait_at_exit() -> None:
 
 
 atexit.register(_wait_at_exit)
+_registered_before_thread_shutdown = False
+
+
+def _wait_before_thread_shutdown() -> None:
+    """Also waits for pending saves when the interpreter starts shutting threads down.
+
+    ``concurrent.futures`` refuses new work once threads shut down, which is
+    before ``atexit`` handlers run; a multi-worker orbax commit still needs it
+    (``asyncio.to_thread``), so a program whose last line is ``manager.save()``
+    (TF's multi_worker_with_ctl tutorial) lost that checkpoint and its workers
+    hung at the commit barrier. Registered at the first save, after
+    ``concurrent.futures`` registered its own hook, so this one runs first.
+    """
+    global _registered_before_thread_shutdown
+    if _registered_before_thread_shutdown:
+        return
+    _registered_before_thread_shutdown = True
+    register = getattr(threading, "_register_atexit", None)  # CPython >= 3.9
+    if register is not None:
+        try:
+            register(_wait_at_exit)
+        except RuntimeError:  # the interpreter is already shutting down: atexit still waits
+            pass
 
 
 def is_checkpoint(path: Any) -> bool:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any, Callable, Sequence
 
 import jax
+import jax.numpy as jnp
 
 from distribute import _context
 from distribute._keras import get_stateless_scope
@@ -28,42 +29,58 @@ def compute_gradients(loss_fn: Callable[[], Any], variables: Sequence[Any], has_
     outside it.  Variable assignments made by ``loss_fn`` (BatchNorm statistics,
     metric updates) take effect as they would under a tape.
 
+    A loss that is not a scalar (a per-example loss of shape ``(batch,)``) is
+    differentiated through its sum, as ``tape.gradient`` does, and returned as it is.
+
     Args:
-        loss_fn: computes a scalar loss (or ``(loss, aux)`` with ``has_aux``).
+        loss_fn: computes the loss (or ``(loss, aux)`` with ``has_aux``).
         variables: the Keras variables to differentiate with respect to.
         has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
 
     Returns:
         ``(loss, grads)``, or ``((loss, aux), grads)`` with ``has_aux``; ``grads``
-        is a list matching ``variables`` (shapes equal to each variable's).
+        is a list matching ``variables`` (shapes equal to each variable's), with
+        ``None`` for a variable that is not floating point (as ``tape.gradient``:
+        the ``uint32`` seed state in an LSTM's ``model.variables``).
 
     Raises:
-        TypeError: the loss is not a scalar float (as ``jax.grad``).
+        TypeError: the loss is not floating point (as ``jax.grad``).
     """
     variables = list(variables)
     parent = get_stateless_scope()
     parent = parent if isinstance(parent, LiftingScope) else None
     written: dict = {}
 
-    def pure(values):
-        scope = LiftingScope({id(v): x for v, x in zip(variables, values)}, parent=parent)
+    def pure(float_values):
+        mapped = list(values)
+        for i, x in zip(differentiable, float_values):
+            mapped[i] = x
+        scope = LiftingScope({id(v): x for v, x in zip(variables, mapped)}, parent=parent)
         with scope:
             out = loss_fn()
         written.update(scope.written)
         loss, aux = out if has_aux else (out, None)
+        # TF's tape.gradient of a non-scalar target is the gradient of its sum.
+        target = loss if jnp.ndim(loss) == 0 else jnp.sum(loss)
         if context is not None:
             # Each replica's loss counts (TF: the gradient of an all-reduced loss is the
             # all-reduce of every replica's gradient), also when it is the same on all.
-            loss = context._prepare_for_gradients([loss])[0]
+            target = context._prepare_for_gradients([target])[0]
         updates = [scope.state_mapping[i] for i in scope.written]
-        return loss, (aux, updates)
+        return target, (loss, aux, updates)
 
     context = _context.current_replica_context()
     values = [v.value for v in variables]
     if context is not None:
         # Per-replica gradients, as TF's tape gives; apply_gradients sums them.
         values = context._prepare_for_gradients(values)
-    (loss, (aux, updates)), grads = jax.value_and_grad(pure, has_aux=True)(values)
+    # TF's tape gives None for a variable it cannot differentiate (an integer seed state)
+    differentiable = [i for i, v in enumerate(variables) if jnp.issubdtype(jnp.dtype(v.dtype), jnp.inexact)]
+    (_, (loss, aux, updates)), float_grads = jax.value_and_grad(pure, has_aux=True)(
+        [values[i] for i in differentiable])
+    grads: list = [None] * len(variables)
+    for i, grad in zip(differentiable, float_grads):
+        grads[i] = grad
     for variable, value in zip(written.values(), updates):
         variable.assign(value)
     return ((loss, aux), grads) if has_aux else (loss, grads)

@@ -23,7 +23,8 @@ outside a strategy:
   (Dropout masks differ between replicas, as in TF) while the seed generator's
   state stays mirrored;
 * a model compiled in scope trains, evaluates and predicts over all replicas
-  (``trainer.py``).
+  (``trainer.py``);
+* Keras' recurrent layers start their scan from per-replica states (``rnn.py``).
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ def install() -> None:
     """Installs the hooks (idempotent)."""
     if _INSTALLED:
         return
-    from distribute.keras_support import trainer
+    from distribute.keras_support import rnn, trainer
 
     _patch(JaxVariable, "_initialize_layout", _variable_initialize_layout)
     _patch(JaxVariable, "_initialize", _variable_initialized)
@@ -71,6 +72,7 @@ def install() -> None:
     _patch(Metric, "__init__", _metric_init)
     _patch(SeedGenerator, "next", _seed_next)
     trainer.install()
+    rnn.install()
     install_per_thread_attributes()
     _install_activity_regularizer_property(Layer)
     _patch(BatchNormalization, "__init__", _batch_norm_init)
@@ -193,13 +195,24 @@ def _optimizer_init(original):
 
 def _optimizer_apply(original):
     def apply(self, grads, trainable_variables=None):
+        from distribute.tracing import LiftingScope
+
         context = _context.current_replica_context()
         if context is not None and context._in_program:
             strategy = context.strategy
             # Its step counter was created with it: the same error as for any variable.
             check_ownership(strategy, [self.iterations])
             grads = context._sum_gradients(list(grads))
-        return original(self, grads, trainable_variables)
+        scope = get_stateless_scope()
+        if context is None or not isinstance(scope, LiftingScope):
+            return original(self, grads, trainable_variables)
+        # TF applies the (summed) update in cross-replica context (extended.update): a
+        # variable's aggregation does not count it once per replica.
+        scope.update_depth += 1
+        try:
+            return original(self, grads, trainable_variables)
+        finally:
+            scope.update_depth -= 1
 
     return apply
 
