@@ -122,6 +122,25 @@ def test_failing_task_stops_the_others_quickly_and_is_named(tmp_path):
     assert "[launch] worker 1 exited with code 3; stopping" in result.output
 
 
+def test_a_worker_that_stopped_for_a_lost_peer_is_not_blamed(tmp_path):
+    # Worker 1 fails; worker 0 sees it and stops with status 75 (EXIT_WORKER_LOST) a moment later. When
+    # both have ended by the launcher's next look, the cause is worker 1, whatever their order in the list.
+    path = script(tmp_path, f"""
+        import json, os, sys, time
+        task = json.loads(os.environ["TF_CONFIG"])["task"]
+        marker = {str(tmp_path / "worker1_failed")!r}
+        if task["index"] == 1:
+            open(marker, "w").close()
+            sys.exit(3)
+        while not os.path.exists(marker):
+            time.sleep(0.001)
+        sys.exit(75)
+    """)
+    result = run([path], num_workers=2, grace_seconds=2.0)
+    assert result.returncode == 3 and result.failed_task == "worker 1", result.output
+    assert result.exit_codes == {"worker 0": 75, "worker 1": 3}
+
+
 def test_task_ignoring_sigterm_is_killed_after_grace(tmp_path):
     path = script(tmp_path, """
         import json, os, signal, sys, time

@@ -22,10 +22,9 @@ from typing import Any
 import jax
 import numpy as np
 
-from distribute._coordination_service import ServiceProcess
+from distribute._coordination_service import EXIT_WORKER_LOST, ServiceProcess
 
 logger = logging.getLogger("distribute")
-EXIT_WORKER_LOST = 75  # a worker that stops because another one was lost (EX_TEMPFAIL: relaunch)
 
 
 class WorkerLostError(RuntimeError):

@@ -31,6 +31,8 @@ import sys
 import tempfile
 import time
 
+EXIT_WORKER_LOST = 75  # a worker that stops because another one was lost (EX_TEMPFAIL: relaunch)
+
 # The service process.  argv: port, num_workers, heartbeat_timeout, shutdown_timeout, linger_seconds, parent pid.
 _PROGRAM = r"""
 import os, select, signal, socket, sys, tempfile, time

@@ -15,6 +15,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import IO, Any, Callable
 
+from distribute._coordination_service import EXIT_WORKER_LOST
 from distribute.cluster.ports import free_ports
 
 EXIT_TIMEOUT = 124
@@ -310,7 +311,10 @@ def launch(argv_or_command: Sequence[str] | str, num_workers: int, devices_per_w
              for task_type, addresses in cluster.items() for task_id in range(len(addresses))]
 
     def ended(tasks: list[_Task], output: _Output, signals: _Signals) -> tuple[int, _Task | None] | None:
-        failed = next((t for t in tasks if t.proc.poll() not in (None, 0)), None)
+        # A worker that stopped because another was lost (status 75) is not the cause when the lost one has
+        # ended too by this poll (they end milliseconds apart).
+        ended_badly = [t for t in tasks if t.proc.poll() not in (None, 0)]
+        failed = next((t for t in ended_badly if t.proc.returncode != EXIT_WORKER_LOST), None) or next(iter(ended_badly), None)
         if failed is not None:
             others = [t.name for t in tasks if t is not failed and t.proc.poll() is None]
             output.note(f"{failed.name} {_describe(failed.proc.returncode)}; stopping "
