@@ -397,9 +397,12 @@ def test_a_worker_runs_the_program_it_already_has_for_a_partial_batch():
 
     worker = Worker(0, [])
     worker._iterators[3] = _Iterator(iter([np.arange(4), np.arange(2), np.arange(4), np.arange(2)]))
-    full = SimpleNamespace(family=9, iterators=((3, 1, ([((4,), "<i8")],)),))
-    short = SimpleNamespace(family=9, iterators=((3, 1, ([((2,), "<i8")],)),))
-    other = SimpleNamespace(family=8, iterators=full.iterators)
+    import jax
+
+    leaf = (jax.tree_util.tree_structure(0),)  # each element one array
+    full = SimpleNamespace(program_id=1, family=9, iterators=((3, 1, ([((4,), "<i8")],)),), element_treedefs=leaf)
+    short = SimpleNamespace(program_id=2, family=9, iterators=((3, 1, ([((2,), "<i8")],)),), element_treedefs=leaf)
+    other = SimpleNamespace(program_id=3, family=8, iterators=full.iterators, element_treedefs=leaf)
     assert worker._plan_for_elements(full, ["full"])[1] == ["full"]
     assert isinstance(worker._plan_for_elements(full, ["full"])[2], ElementSpecChanged)  # [0, 1]: new to it
     plan, box, leaves = worker._plan_for_elements(short, ["short"])  # the coordinator's program for (2,)
