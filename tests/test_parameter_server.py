@@ -411,3 +411,52 @@ def test_a_worker_runs_the_program_it_already_has_for_a_partial_batch():
     assert isinstance(worker._plan_for_elements(other, ["other"])[2], ElementSpecChanged)  # another family
     plan, box, leaves = worker._plan_for_elements(full, ["full"])  # its family has a (2,) program
     assert plan is short and box == ["short"] and [x.tolist() for x in leaves] == [[0, 1]]
+
+
+def test_an_element_of_another_dtype_or_structure_gets_its_own_program(one_worker, monkeypatch):
+    """TF's tf.function retraces for a new input signature: dtype and structure are part of it, as shapes are.
+
+    A per-worker dataset whose elements change dtype (int32, float32, int32) or
+    dict keys is computed in each element's own dtype and structure (never cast
+    to the first one's): ``x * 3 // 2`` is integer floor division on int32 and
+    float floor division on float32; each signature is traced once, and the
+    worker reuses a program it already has (the third element).
+    """
+    from distribute.parameter_server import program
+
+    strategy, coordinator = one_worker
+    traced = []
+    trace_step = program.trace_step
+
+    def counting(strategy, fn, *args, **kwargs):
+        traced.append(fn)
+        return trace_step(strategy, fn, *args, **kwargs)
+
+    monkeypatch.setattr(program, "trace_step", counting)
+    batches = [np.array([1, 2, 3], np.int32), np.array([0.5, 1.5, 2.5], np.float32), np.array([4, 5, 6], np.int32)]
+    iterator = iter(coordinator.create_per_worker_dataset(lambda: list(batches)))
+
+    def scaled(it):
+        return next(it) * 3 // 2
+
+    got = [r.fetch() for r in [coordinator.schedule(scaled, args=(iterator,)) for _ in range(3)]]
+    assert [g.dtype for g in got] == [np.int32, np.float32, np.int32]
+    assert [g.tolist() for g in got] == [[1, 3, 4], [0.0, 2.0, 3.0], [6, 7, 9]]
+    assert len(traced) == 2  # int32 and float32, each once
+    # Another dict structure with the same leaves: unflattened with its own keys.
+    weights = {"a": 1.0, "b": 10.0}
+    elements = [{"a": np.array([1.0, 2.0], np.float32)}, {"b": np.array([1.0, 2.0], np.float32)},
+                {"a": np.array([3.0, 4.0], np.float32)}]
+    iterator = iter(coordinator.create_per_worker_dataset(lambda: list(elements)))
+
+    def weighted(it):
+        return sum(value * weights[key] for key, value in next(it).items())
+
+    got = [r.fetch() for r in [coordinator.schedule(weighted, args=(iterator,)) for _ in range(3)]]
+    assert [g.tolist() for g in got] == [[1.0, 2.0], [10.0, 20.0], [3.0, 4.0]]
+    assert len(traced) == 4
+    # Two structures inside one call cannot be one program: TF's dataset has one element_spec.
+    iterator = iter(coordinator.create_per_worker_dataset(lambda: list(elements)))
+    coordinator.schedule(lambda it: (weighted(it), weighted(it)), args=(iterator,))
+    with pytest.raises(TypeError, match="elements of different structures from per-worker iterator"):
+        coordinator.join()
