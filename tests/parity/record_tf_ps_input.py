@@ -49,4 +49,23 @@ def f(ds):
     return next(iter(ds))
 rs = [coord.schedule(f, args=(b,)) for _ in range(4)]; coord.join()
 out["build_next_iter"] = [int(r.fetch()) for r in rs]
+# a new element signature (dtype, structure) retraces the scheduled tf.function; a new iterator of a known one does not
+@tf.function
+def scaled(it):
+    return next(it) * 3 // 2
+ints = lambda: tf.data.Dataset.from_tensors(tf.constant([1, 2, 3], tf.int32)).repeat()
+floats = lambda: tf.data.Dataset.from_tensors(tf.constant([0.5, 1.5, 2.5], tf.float32)).repeat()
+rs = [coord.schedule(scaled, args=(iter(coord.create_per_worker_dataset(fn)),)) for fn in (ints, floats, ints)]
+coord.join()
+out["retrace_dtype"] = [[str(r.fetch().dtype), r.fetch().tolist()] for r in rs]
+out["retrace_dtype_traces"] = scaled.experimental_get_tracing_count()
+weights = {"a": 1.0, "b": 10.0}
+@tf.function
+def weighted(it):
+    return sum(value * weights[key] for key, value in next(it).items())
+dicts = [lambda k=k: tf.data.Dataset.from_tensors({k: tf.constant([1.0, 2.0])}).repeat() for k in "ab"]
+rs = [coord.schedule(weighted, args=(iter(coord.create_per_worker_dataset(fn)),)) for fn in dicts]
+coord.join()
+out["retrace_structure"] = [r.fetch().tolist() for r in rs]
+out["retrace_structure_traces"] = weighted.experimental_get_tracing_count()
 print(json.dumps(out))

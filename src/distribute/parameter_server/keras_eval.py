@@ -195,7 +195,11 @@ def predict(
     ``DatasetCreator`` (its ``dataset_fn`` runs on the coordinator, as TF's
     predict does; ``steps`` required, TF's message).  The coordinator sends each
     closure its batches (``steps_per_execution`` of them), so rows keep their
-    order whichever worker ran them.
+    order whichever worker ran them.  Callbacks get tf-keras' predict hooks per
+    closure: ``on_predict_batch_begin(step)`` and ``on_predict_batch_end(step +
+    K - 1, logs)``, ``logs["outputs"]`` the closure's outputs (read lazily:
+    ``keras_rules.PredictBatchLogs``); any callback is accepted, as TF's predict
+    (which runs outside the PS scope) accepts it.
 
     Returns:
         The model's outputs concatenated over batches, ``(n, ...)`` per output,
