@@ -420,7 +420,10 @@ def test_an_element_of_another_dtype_or_structure_gets_its_own_program(one_worke
     dict keys is computed in each element's own dtype and structure (never cast
     to the first one's): ``x * 3 // 2`` is integer floor division on int32 and
     float floor division on float32; each signature is traced once, and the
-    worker reuses a program it already has (the third element).
+    worker reuses a program it already has (the third element).  Measured on
+    TF 2.21 (tests/parity/record_tf_ps_input.py, the same tf.function over
+    int32, float32, int32 per-worker iterators): int32 [1, 3, 4], float32
+    [0.0, 2.0, 3.0], 2 traces; over {"a"} and {"b"} dicts: [1, 2], [10, 20].
     """
     from distribute.parameter_server import program
 

@@ -5,7 +5,10 @@ Measured 2026-12-01 (asserted in tests/test_port_ps_tf_tests.py, "measured on TF
 {"input_context_inside_per_worker_dataset_fn": [[1, 0, 1]],
  "packed_partial_sums": [[6, 22], [6, 22], [17, 6], [17, 6], [22, 17], [22, 17]],
  "element_spec_batch4": "TensorSpec(shape=(None,), dtype=tf.int64, name=None)",
- "build_next_iter": [1, 1, 1, 1]}
+ "build_next_iter": [1, 1, 1, 1],
+ "retrace_dtype": [["int32", [1, 3, 4]], ["float32", [0.0, 2.0, 3.0]], ["int32", [1, 3, 4]]], "retrace_dtype_traces": 2,
+ "retrace_structure": [[1.0, 2.0], [10.0, 20.0]], "retrace_structure_traces": 2}
+(the retrace_* cases are asserted in tests/test_parameter_server.py)
 """
 import json, os
 os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
