@@ -463,3 +463,24 @@ def test_an_element_of_another_dtype_or_structure_gets_its_own_program(one_worke
     coordinator.schedule(lambda it: (weighted(it), weighted(it)), args=(iterator,))
     with pytest.raises(TypeError, match="elements of different structures from per-worker iterator"):
         coordinator.join()
+
+
+def test_a_worker_runs_one_compiled_program_for_plans_of_the_same_box():
+    # program.with_iterators: a new iterator's plan has its own id but the traced program's box; the
+    # worker runs the program it compiled for that box, not a fresh copy (no second XLA compile).
+    from types import SimpleNamespace
+
+    import jax
+
+    from distribute.parameter_server.actors import Worker, _Iterator
+
+    worker = Worker(0, [])
+    worker._iterators[3] = _Iterator(iter([np.arange(4)]))
+    worker._iterators[4] = _Iterator(iter([np.arange(4)]))
+    leaf = (jax.tree_util.tree_structure(0),)
+    first = SimpleNamespace(program_id=1, family=9, iterators=((3, 1, ([((4,), "<i8")],)),), element_treedefs=leaf)
+    second = SimpleNamespace(program_id=2, family=9, iterators=((4, 1, ([((4,), "<i8")],)),), element_treedefs=leaf)
+    worker._programs.update({1: "compiled", 2: "fresh copy"})
+    worker._plan_for_elements(first, ["box"])
+    plan, _, leaves = worker._plan_for_elements(second, ["box"])
+    assert plan is second and worker._programs[2] == "compiled" and [x.tolist() for x in leaves] == [[0, 1, 2, 3]]
