@@ -436,9 +436,12 @@ def test_a_worker_runs_the_program_it_already_has_for_a_partial_batch():
 
     worker = Worker(0, [])
     worker._iterators[3] = _Iterator(iter([np.arange(4), np.arange(2), np.arange(4), np.arange(2)]))
-    full = SimpleNamespace(family=9, iterators=((3, 1, ([((4,), "<i8")],)),))
-    short = SimpleNamespace(family=9, iterators=((3, 1, ([((2,), "<i8")],)),))
-    other = SimpleNamespace(family=8, iterators=full.iterators)
+    import jax
+
+    leaf = (jax.tree_util.tree_structure(0),)  # each element one array
+    full = SimpleNamespace(program_id=1, family=9, iterators=((3, 1, ([((4,), "<i8")],)),), element_treedefs=leaf)
+    short = SimpleNamespace(program_id=2, family=9, iterators=((3, 1, ([((2,), "<i8")],)),), element_treedefs=leaf)
+    other = SimpleNamespace(program_id=3, family=8, iterators=full.iterators, element_treedefs=leaf)
     assert worker._plan_for_elements(full, ["full"])[1] == ["full"]
     assert isinstance(worker._plan_for_elements(full, ["full"])[2], ElementSpecChanged)  # [0, 1]: new to it
     plan, box, leaves = worker._plan_for_elements(short, ["short"])  # the coordinator's program for (2,)
@@ -447,3 +450,76 @@ def test_a_worker_runs_the_program_it_already_has_for_a_partial_batch():
     assert isinstance(worker._plan_for_elements(other, ["other"])[2], ElementSpecChanged)  # another family
     plan, box, leaves = worker._plan_for_elements(full, ["full"])  # its family has a (2,) program
     assert plan is short and box == ["short"] and [x.tolist() for x in leaves] == [[0, 1]]
+
+
+def test_an_element_of_another_dtype_or_structure_gets_its_own_program(one_worker, monkeypatch):
+    """TF's tf.function retraces for a new input signature: dtype and structure are part of it, as shapes are.
+
+    A per-worker dataset whose elements change dtype (int32, float32, int32) or
+    dict keys is computed in each element's own dtype and structure (never cast
+    to the first one's): ``x * 3 // 2`` is integer floor division on int32 and
+    float floor division on float32; each signature is traced once, and the
+    worker reuses a program it already has (the third element).  Measured on
+    TF 2.21 (tests/parity/record_tf_ps_input.py, the same tf.function over
+    int32, float32, int32 per-worker iterators): int32 [1, 3, 4], float32
+    [0.0, 2.0, 3.0], 2 traces; over {"a"} and {"b"} dicts: [1, 2], [10, 20].
+    """
+    from distribute.parameter_server import program
+
+    strategy, coordinator = one_worker
+    traced = []
+    trace_step = program.trace_step
+
+    def counting(strategy, fn, *args, **kwargs):
+        traced.append(fn)
+        return trace_step(strategy, fn, *args, **kwargs)
+
+    monkeypatch.setattr(program, "trace_step", counting)
+    batches = [np.array([1, 2, 3], np.int32), np.array([0.5, 1.5, 2.5], np.float32), np.array([4, 5, 6], np.int32)]
+    iterator = iter(coordinator.create_per_worker_dataset(lambda: list(batches)))
+
+    def scaled(it):
+        return next(it) * 3 // 2
+
+    got = [r.fetch() for r in [coordinator.schedule(scaled, args=(iterator,)) for _ in range(3)]]
+    assert [g.dtype for g in got] == [np.int32, np.float32, np.int32]
+    assert [g.tolist() for g in got] == [[1, 3, 4], [0.0, 2.0, 3.0], [6, 7, 9]]
+    assert len(traced) == 2  # int32 and float32, each once
+    # Another dict structure with the same leaves: unflattened with its own keys.
+    weights = {"a": 1.0, "b": 10.0}
+    elements = [{"a": np.array([1.0, 2.0], np.float32)}, {"b": np.array([1.0, 2.0], np.float32)},
+                {"a": np.array([3.0, 4.0], np.float32)}]
+    iterator = iter(coordinator.create_per_worker_dataset(lambda: list(elements)))
+
+    def weighted(it):
+        return sum(value * weights[key] for key, value in next(it).items())
+
+    got = [r.fetch() for r in [coordinator.schedule(weighted, args=(iterator,)) for _ in range(3)]]
+    assert [g.tolist() for g in got] == [[1.0, 2.0], [10.0, 20.0], [3.0, 4.0]]
+    assert len(traced) == 4
+    # Two structures inside one call cannot be one program: TF's dataset has one element_spec.
+    iterator = iter(coordinator.create_per_worker_dataset(lambda: list(elements)))
+    coordinator.schedule(lambda it: (weighted(it), weighted(it)), args=(iterator,))
+    with pytest.raises(TypeError, match="elements of different structures from per-worker iterator"):
+        coordinator.join()
+
+
+def test_a_worker_runs_one_compiled_program_for_plans_of_the_same_box():
+    # program.with_iterators: a new iterator's plan has its own id but the traced program's box; the
+    # worker runs the program it compiled for that box, not a fresh copy (no second XLA compile).
+    from types import SimpleNamespace
+
+    import jax
+
+    from distribute.parameter_server.actors import Worker, _Iterator
+
+    worker = Worker(0, [])
+    worker._iterators[3] = _Iterator(iter([np.arange(4)]))
+    worker._iterators[4] = _Iterator(iter([np.arange(4)]))
+    leaf = (jax.tree_util.tree_structure(0),)
+    first = SimpleNamespace(program_id=1, family=9, iterators=((3, 1, ([((4,), "<i8")],)),), element_treedefs=leaf)
+    second = SimpleNamespace(program_id=2, family=9, iterators=((4, 1, ([((4,), "<i8")],)),), element_treedefs=leaf)
+    worker._programs.update({1: "compiled", 2: "fresh copy"})
+    worker._plan_for_elements(first, ["box"])
+    plan, _, leaves = worker._plan_for_elements(second, ["box"])
+    assert plan is second and worker._programs[2] == "compiled" and [x.tolist() for x in leaves] == [[0, 1, 2, 3]]

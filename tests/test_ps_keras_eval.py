@@ -240,3 +240,41 @@ def test_loss_scale_factor_is_unscaled_as_one_device(strategy):
     want = reference.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
     _close(model.get_weights(), reference.get_weights())
     np.testing.assert_allclose(history.history["loss"], want.history["loss"], rtol=1e-5)
+
+
+def test_predict_calls_tfs_batch_hooks_per_scheduled_closure(strategy):
+    """tf-keras' predict loop: on_predict_batch_begin(step), on_predict_batch_end(step + increment, {"outputs": ...}).
+
+    45 rows in batches of 10 (the 5th partial), 3 steps per execution: TF's
+    DataHandler runs steps 0-2 and 3-4 (the partial batch inside the last
+    execution), and the end hook's ``outputs`` are that execution's rows.  A
+    callback with predict batch hooks is accepted (TF's predict runs outside the
+    PS scope, so its CallbackList does not refuse it).
+    """
+    x, _, _ = _data(45)
+    with strategy.scope():
+        model = _compiled(steps_per_execution=3)
+    calls = []
+
+    class Hooks(keras.callbacks.Callback):
+        def on_predict_batch_begin(self, batch, logs=None):
+            calls.append(("begin", batch, logs))
+
+        def on_predict_batch_end(self, batch, logs=None):
+            calls.append(("end", batch, sorted(logs), np.asarray(logs["outputs"])))
+
+    got = model.predict(x, batch_size=10, verbose=0, callbacks=[Hooks()])
+    assert [call[:3] for call in calls] == [("begin", 0, None), ("end", 2, ["outputs"]), ("begin", 3, None),
+                                            ("end", 4, ["outputs"])]
+    want = np.asarray(model(x, training=False))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(calls[1][3], want[:30], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(calls[3][3], want[30:], rtol=1e-5, atol=1e-6)
+    # One step per execution: a pair of hooks per batch, the last one partial.
+    with strategy.scope():
+        model.compile(optimizer=model.optimizer, loss="mse", steps_per_execution=1)
+    calls.clear()
+    model.predict(Dataset.from_tensor_slices(x).batch(20), verbose=0, callbacks=[Hooks()])
+    assert [call[:2] for call in calls] == [("begin", 0), ("end", 0), ("begin", 1), ("end", 1), ("begin", 2),
+                                            ("end", 2)]
+    assert [call[3].shape for call in calls if call[0] == "end"] == [(20, 1), (20, 1), (5, 1)]

@@ -272,3 +272,38 @@ def test_main_job_without_ray_is_one_line(monkeypatch, capsys):
     assert cli.main(["train", "--strategy", "parameter_server", "--epochs", "1"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["python -m distribute train: error: ParameterServerStrategy runs on Ray, which is not installed. Install the extra: pip install 'jax-distribute[ps]'"]
+
+
+def test_a_second_fit_reuses_the_traced_programs(one_worker, monkeypatch):
+    """TF keeps ``model.train_function`` and keys its iterator argument by element spec: a second fit traces nothing.
+
+    The second fit starts a new iterator over its data (TF's new DataHandler: rows
+    from the start again), ``optimizer.iterations`` and the weights continue, so
+    (one worker) it equals one device's two fit calls on the same batches.
+    """
+    from distribute.parameter_server import program
+
+    traced = []
+    trace_step = program.trace_step
+
+    def counting(strategy, fn, *args, **kwargs):
+        traced.append(fn)
+        return trace_step(strategy, fn, *args, **kwargs)
+
+    monkeypatch.setattr(program, "trace_step", counting)
+    x, y = _data()
+    with one_worker.scope():
+        model = _compiled("adam")
+    model.fit(x, y, batch_size=8, epochs=1, steps_per_epoch=8, shuffle=False, verbose=0)
+    first = len(traced)
+    history = model.fit(x, y, batch_size=8, epochs=2, steps_per_epoch=5, shuffle=False, verbose=0)
+    assert first == 1 and len(traced) == first  # the train step, once
+    assert int(model.optimizer.iterations.numpy()) == 18
+    reference = _compiled("adam")
+    reference.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    # The second fit's iterator: rows 0-39, then 40-63 and 0-15 (its dataset repeats).
+    rows = np.concatenate([np.arange(40), np.arange(40, 64), np.arange(16)])
+    reference.fit(x[rows], y[rows], batch_size=8, epochs=1, shuffle=False, verbose=0)
+    for got, expected in zip(model.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+    assert len(history.history["loss"]) == 2

@@ -5,7 +5,10 @@ Measured 2026-12-01 (asserted in tests/test_port_ps_tf_tests.py, "measured on TF
 {"input_context_inside_per_worker_dataset_fn": [[1, 0, 1]],
  "packed_partial_sums": [[6, 22], [6, 22], [17, 6], [17, 6], [22, 17], [22, 17]],
  "element_spec_batch4": "TensorSpec(shape=(None,), dtype=tf.int64, name=None)",
- "build_next_iter": [1, 1, 1, 1]}
+ "build_next_iter": [1, 1, 1, 1],
+ "retrace_dtype": [["int32", [1, 3, 4]], ["float32", [0.0, 2.0, 3.0]], ["int32", [1, 3, 4]]], "retrace_dtype_traces": 2,
+ "retrace_structure": [[1.0, 2.0], [10.0, 20.0]], "retrace_structure_traces": 2}
+(the retrace_* cases are asserted in tests/test_parameter_server.py)
 """
 import json, os
 os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
@@ -49,4 +52,23 @@ def f(ds):
     return next(iter(ds))
 rs = [coord.schedule(f, args=(b,)) for _ in range(4)]; coord.join()
 out["build_next_iter"] = [int(r.fetch()) for r in rs]
+# a new element signature (dtype, structure) retraces the scheduled tf.function; a new iterator of a known one does not
+@tf.function
+def scaled(it):
+    return next(it) * 3 // 2
+ints = lambda: tf.data.Dataset.from_tensors(tf.constant([1, 2, 3], tf.int32)).repeat()
+floats = lambda: tf.data.Dataset.from_tensors(tf.constant([0.5, 1.5, 2.5], tf.float32)).repeat()
+rs = [coord.schedule(scaled, args=(iter(coord.create_per_worker_dataset(fn)),)) for fn in (ints, floats, ints)]
+coord.join()
+out["retrace_dtype"] = [[str(r.fetch().dtype), r.fetch().tolist()] for r in rs]
+out["retrace_dtype_traces"] = scaled.experimental_get_tracing_count()
+weights = {"a": 1.0, "b": 10.0}
+@tf.function
+def weighted(it):
+    return sum(value * weights[key] for key, value in next(it).items())
+dicts = [lambda k=k: tf.data.Dataset.from_tensors({k: tf.constant([1.0, 2.0])}).repeat() for k in "ab"]
+rs = [coord.schedule(weighted, args=(iter(coord.create_per_worker_dataset(fn)),)) for fn in dicts]
+coord.join()
+out["retrace_structure"] = [r.fetch().tolist() for r in rs]
+out["retrace_structure_traces"] = weighted.experimental_get_tracing_count()
 print(json.dumps(out))

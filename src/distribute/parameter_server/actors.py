@@ -207,13 +207,38 @@ class ParameterServer(_Served):
         self._version += 1
 
 
+def _input_dtype(dtype: Any) -> str:
+    """The dtype (``str``) a program input has for an element leaf of ``dtype``: JAX's (x64 off: 64 bits held in 32)."""
+    import jax
+
+    return np.dtype(jax.dtypes.canonicalize_dtype(np.dtype(dtype))).str
+
+
+def _same_dtype(dtype: Any, planned: str) -> bool:
+    """Whether a leaf of ``dtype`` feeds a program input traced as ``planned`` (the coordinator's canonical dtype)."""
+    return np.dtype(dtype).str == planned or _input_dtype(dtype) == planned
+
+
+def _treedefs(plan: Any) -> tuple:
+    """Per iterator of ``plan``, the element treedef its program reads (None: not recorded, any structure)."""
+    treedefs = tuple(getattr(plan, "element_treedefs", ()) or ())
+    return treedefs if len(treedefs) == len(plan.iterators) else (None,) * len(plan.iterators)
+
+
 def _plan_signature(plan: Any) -> tuple:
-    return tuple((rid, tuple(tuple(tuple(shape) for shape, _ in element) for element in specs)) for rid, _, specs in plan.iterators)
+    """What decides the program for a run's elements: per iterator, its id, element structure, shapes and dtypes."""
+    return tuple(
+        (rid, treedef, tuple(tuple((tuple(shape), _input_dtype(dtype)) for shape, dtype in element) for element in specs))
+        for (rid, _, specs), treedef in zip(plan.iterators, _treedefs(plan))
+    )
 
 
 def _changed_signature(changed: ElementSpecChanged) -> tuple:
-    return tuple((rid, tuple(tuple(tuple(shape) for shape, _ in element) for element in elements))
-                 for rid, _, elements in changed.specs)
+    """``_plan_signature`` of the program ``changed`` asks for (the worker's elements, as program inputs)."""
+    return tuple(
+        (rid, treedef, tuple(tuple((tuple(shape), _input_dtype(dtype)) for shape, dtype in element) for element in elements))
+        for rid, treedef, elements in changed.specs
+    )
 
 
 class _Iterator:
@@ -243,7 +268,8 @@ class Worker(_Served):
         self._programs: dict[int, Any] = {}
         self._iterators: dict[int, Any] = {}
         self._datasets: dict[int, Any] = {}  # built per-worker datasets: a fresh iterator per run
-        self._variants: dict[tuple, tuple] = {}  # (plan family, element shapes) -> (plan, box) run before
+        self._variants: dict[tuple, tuple] = {}  # (plan family, element signature) -> (plan, box) run before
+        self._box_programs: dict[Any, int] = {}  # a step program's box -> the id of the plan that loaded it first
         self._plans: dict[int, Any] = {}  # program id -> StepPlan, sent once by the coordinator
         self._sent: set[tuple[int, int]] = set()  # (ps, apply program id) sent to that ps
         self._read_back: dict[int, tuple[int, dict]] = {}  # ps -> (version, key -> value) from the last push
@@ -429,6 +455,10 @@ class Worker(_Served):
     def _plan_for_elements(self, plan: Any, box: list) -> tuple:
         """``(plan, box, element leaves)``: ``plan``, or the plan of its family that this worker ran before for the
         shapes of the next elements (no round trip to the coordinator); ElementSpecChanged for a new signature."""
+        if box is not None:  # a plan new here: the program compiled for the same box before, if any (with_iterators)
+            known = self._box_programs.setdefault(box[0], plan.program_id)
+            if known != plan.program_id and known in self._programs:
+                self._programs[plan.program_id] = self._programs[known]
         if plan.family >= 0:
             self._variants[(plan.family, _plan_signature(plan))] = (plan, box)
         found = self._elements(plan)
@@ -442,13 +472,19 @@ class Worker(_Served):
     def _elements(self, plan: Any) -> list | ElementSpecChanged:
         """The leaves of the elements ``plan`` reads, or (all put back) the signature they need.
 
-        Every element of the call is read first; if one's shapes are not those the
-        program was traced for (a partial batch), all of them go back to their
-        iterators, in order, and the new signature is returned: the same elements
-        are read again by the run with the program traced for it (TF retraces).
+        Every element of the call is read first; if one's structure (treedef),
+        shapes or dtypes are not those the program was traced for (a partial
+        batch, an int32 batch after float32 ones, a dict with other keys), all of
+        them go back to their iterators, in order, and the new signature is
+        returned: the same elements are read again by the run with the program
+        traced for it (TF's ``tf.function`` retraces for a new input signature).
+        Dtypes compare as program inputs: a float64 leaf feeds a program traced for
+        float32 when JAX holds float64 as float32 (x64 off).
 
         Raises:
             OutOfRangeError: an iterator is exhausted (TF's OutOfRangeError).
+            TypeError: the elements one call reads from one iterator differ in
+                structure (a program unflattens every element of an iterator alike).
         """
         import jax
 
@@ -470,15 +506,26 @@ class Worker(_Served):
                     ) from None
             read.append((iterator, elements))
         iter_vals, seen, changed = [], [], False
-        for (resource_id, _, specs), (_, elements) in zip(plan.iterators, read):
-            treedef, element_leaves = None, []
+        for (resource_id, _, specs), expected, (_, elements) in zip(plan.iterators, _treedefs(plan), read):
+            treedefs, element_leaves = [], []
             for element, spec in zip(elements, specs):
                 leaves, treedef = jax.tree_util.tree_flatten(element)
                 leaves = [np.asarray(x) for x in leaves]
+                treedefs.append(treedef)
                 element_leaves.append([(x.shape, x.dtype.str) for x in leaves])
-                changed = changed or len(leaves) != len(spec) or any(x.shape != tuple(s) for x, (s, _) in zip(leaves, spec))
+                changed = (changed or (expected is not None and treedef != expected) or len(leaves) != len(spec)
+                           or any(x.shape != tuple(s) or not _same_dtype(x.dtype, d) for x, (s, d) in zip(leaves, spec)))
                 iter_vals.extend(x.astype(d, copy=False) for x, (_, d) in zip(leaves, spec))
-            seen.append((resource_id, treedef, element_leaves))
+            if any(t != treedefs[0] for t in treedefs):
+                for iterator, put in read:
+                    iterator.put_back(put)
+                raise TypeError(
+                    f"one scheduled call read {len(treedefs)} elements of different structures from per-worker "
+                    f"iterator {resource_id} on worker {self._index}: {treedefs}. The function is compiled for one "
+                    "element structure per iterator and call (TF: a dataset has one element_spec); give the "
+                    "dataset's elements one structure, or call next() once per scheduled call."
+                )
+            seen.append((resource_id, treedefs[0] if treedefs else expected, element_leaves))
         if changed:
             for iterator, elements in read:
                 iterator.put_back(elements)

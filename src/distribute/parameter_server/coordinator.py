@@ -60,7 +60,8 @@ class ClusterCoordinator:
         self._queue = ClosureQueue()
         self._refreshed_at = 0
         self._threads = [WorkerThread(i, self._cluster, self._queue) for i in range(len(self._cluster.workers))]
-        self._steps: dict = {}
+        self._steps: dict = {}  # (function key, signature, iterator ids) -> Step
+        self._traced: dict = {}  # (function key, signature) -> the Step traced for it (any iterators)
         self._families: dict = {}  # (function key, result treedef) -> the family id of its programs
         self._trace_lock = threading.RLock()  # schedule and the dispatch threads' re-traces share self._steps
         strategy._cluster_coordinator = self
@@ -113,7 +114,9 @@ class ClusterCoordinator:
                 el_treedef, specs = leaf._spec()
                 kinds.append(program.ITER)
                 iter_specs.append((leaf._resource_id, el_treedef, [_canonical(specs)]))
-                key_parts.append(("iter", leaf._resource_id))
+                # Not the iterator's id: a new iterator of the same signature reuses the program (TF keys a
+                # tf.function's per-worker iterator argument by its element spec).
+                key_parts.append(("iter", isinstance(leaf, PerWorkerDatasetValues)))
                 if isinstance(leaf, PerWorkerDatasetValues):
                     datasets.add(leaf._resource_id)
             elif isinstance(leaf, PerWorkerValues):
@@ -143,17 +146,29 @@ class ClusterCoordinator:
 
     def _step_for(self, key: Any, fn: Callable, treedef: Any, kinds: list, statics: list, avals: list,
                   datasets: frozenset, iter_specs: list) -> Any:
-        """The step program of ``fn`` for this input signature, traced on first use (TF: one per signature)."""
+        """The step program of ``fn`` for this input signature, traced on first use (TF: one per signature).
+
+        The signature is the arguments' (``key``) and, per iterator input, its
+        elements' structure, shapes and dtypes; not which iterator it is: a new
+        iterator of the same signature gets the traced programs with its own
+        plan (``program.with_iterators``), no new trace.
+        """
         from distribute.parameter_server import program
 
-        signature = tuple((rid, el_treedef, tuple(tuple(s) for s in specs)) for rid, el_treedef, specs in iter_specs)
+        signature = tuple((el_treedef, tuple(tuple(s) for s in specs)) for _, el_treedef, specs in iter_specs)
+        resource_ids = tuple(rid for rid, _, _ in iter_specs)
         with self._trace_lock:
-            step = self._steps.get((key, signature))
+            step = self._steps.get((key, signature, resource_ids))
             if step is None:
-                step = program.trace_step(self._strategy, fn, treedef, kinds, statics, avals, iter_specs, datasets)
-                family = self._families.setdefault((key, step.out_tree), len(self._families))
-                step.plan = dataclasses.replace(step.plan, family=family)
-                self._steps[(key, signature)] = step
+                traced = self._traced.get((key, signature))
+                if traced is None:
+                    step = program.trace_step(self._strategy, fn, treedef, kinds, statics, avals, iter_specs, datasets)
+                    family = self._families.setdefault((key, step.out_tree), len(self._families))
+                    step.plan = dataclasses.replace(step.plan, family=family)
+                    self._traced[(key, signature)] = step
+                else:
+                    step = program.with_iterators(traced, resource_ids)
+                self._steps[(key, signature, resource_ids)] = step
         return step
 
     def join(self) -> None:

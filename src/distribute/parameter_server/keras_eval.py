@@ -195,7 +195,11 @@ def predict(
     ``DatasetCreator`` (its ``dataset_fn`` runs on the coordinator, as TF's
     predict does; ``steps`` required, TF's message).  The coordinator sends each
     closure its batches (``steps_per_execution`` of them), so rows keep their
-    order whichever worker ran them.
+    order whichever worker ran them.  Callbacks get tf-keras' predict hooks per
+    closure: ``on_predict_batch_begin(step)`` and ``on_predict_batch_end(step +
+    K - 1, logs)``, ``logs["outputs"]`` the closure's outputs (read lazily:
+    ``keras_rules.PredictBatchLogs``); any callback is accepted, as TF's predict
+    (which runs outside the PS scope) accepts it.
 
     Returns:
         The model's outputs concatenated over batches, ``(n, ...)`` per output,
@@ -228,10 +232,13 @@ def predict(
     coordinator = ClusterCoordinator(strategy)
     predict_batches = ps_hooks.cached(model, "_distribute_ps_predict", lambda: _predict_fn(model))
     callback_list.on_predict_begin()
-    remote_values = [
-        coordinator.schedule(predict_batches, args=(tuple(x for x, _, _ in group),))
-        for group in _groups(batches_of(source, steps, "predict"), steps_per_execution(model))
-    ]
+    remote_values, begin = [], 0
+    for group in _groups(batches_of(source, steps, "predict"), steps_per_execution(model)):
+        # TF's predict loop: on_predict_batch_begin(step), the step, on_predict_batch_end(step + increment, outputs).
+        call_batch_begin(callback_list, "predict", begin)
+        remote_values.append(coordinator.schedule(predict_batches, args=(tuple(x for x, _, _ in group),)))
+        call_batch_end(callback_list, "predict", begin + len(group) - 1, remote_values[-1])
+        begin += len(group)
     if not remote_values:
         raise ValueError("model.predict under ParameterServerStrategy: the data is empty.")
     coordinator.join()
@@ -290,18 +297,16 @@ def _batches(source: Any) -> Iterator:
 
 
 def _groups(batches: Iterator, size: int) -> Iterator[tuple]:
-    """Consecutive batches, ``size`` to a group; a batch of another shape starts a group of its own."""
-    import jax
+    """Consecutive batches, ``size`` to a group, the remainder last: TF's DataHandler steps.
 
+    A group holding a partial batch is one more signature, traced once.
+    """
     group: list = []
-    shape = None
     for batch in batches:
-        batch_shape = [np.shape(a) for a in jax.tree_util.tree_leaves(batch)]
-        if group and (len(group) == size or batch_shape != shape):
+        group.append(batch)
+        if len(group) == size:
             yield tuple(group)
             group = []
-        group.append(batch)
-        shape = batch_shape
     if group:
         yield tuple(group)
 

@@ -121,15 +121,36 @@ class BatchLogs(Mapping):
         return f"BatchLogs({self._remote_value!r})"
 
 
-def call_batch_end(callbacks: Any, mode: str, end: int, remote_value: Any) -> None:
-    """``on_{mode}_batch_end(end, BatchLogs(remote_value))`` on each callback of the ``CallbackList``.
+class PredictBatchLogs(BatchLogs):
+    """The ``logs`` of ``on_predict_batch_end`` under ParameterServerStrategy: ``{"outputs": ...}``, fetched lazily.
 
+    TF's predict passes ``{"outputs": batch_outputs}``: the model's outputs for the
+    step's batches (``steps_per_execution`` of them concatenated on axis 0), as
+    numpy.  Here the same values, read from the scheduled closure when a callback
+    first reads them (``logs["outputs"]`` waits for that closure only), so the
+    other closures keep running on the workers meanwhile.
+    """
+
+    def fetch(self) -> dict:
+        if self._logs is None:
+            import jax
+            import numpy as np
+
+            outputs = self._remote_value._fetch_value()  # predict writes no variable: nothing to refresh
+            self._logs = {"outputs": jax.tree_util.tree_map(lambda *parts: np.concatenate(parts, axis=0), *outputs)}
+        return self._logs
+
+
+def call_batch_end(callbacks: Any, mode: str, end: int, remote_value: Any) -> None:
+    """``on_{mode}_batch_end(end, logs)`` on each callback of the ``CallbackList``.
+
+    ``logs``: ``BatchLogs(remote_value)`` (``PredictBatchLogs`` for ``predict``).
     Called directly, as TF's ``CallbackList`` passes a RemoteValue untouched to
     callbacks that support it (Keras 3's would convert the logs, waiting for
     every step).  ``end``: the closure's last step, ``begin + size - 1`` (TF's
     ``step + step_increment``).
     """
-    logs = BatchLogs(remote_value)
+    logs = (PredictBatchLogs if mode == "predict" else BatchLogs)(remote_value)
     for callback in callbacks.callbacks:
         getattr(callback, f"on_{mode}_batch_end")(end, logs=logs)
 

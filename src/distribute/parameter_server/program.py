@@ -63,6 +63,9 @@ class StepPlan:
     # The programs of one function and result structure, one per element signature, share a family:
     # a worker that met another signature before runs that program itself (ClusterCoordinator sets it).
     family: int = -1
+    # Per iterator input, the element structure (treedef) the program unflattens each element with:
+    # an element of another structure is a new signature (TF retraces), never read with this one.
+    element_treedefs: tuple = ()
 
 
 @dataclasses.dataclass
@@ -258,8 +261,24 @@ def _make_step(strategy, registry, exported, record: _Record, read_vars, iter_sp
         applies=tuple(applies),
         deltas=deltas,
         sets=sets,
+        element_treedefs=tuple(el_treedef for _, el_treedef, _ in iter_specs),
     )
     return Step(plan=plan, box=box, out_tree=record.out_tree)
+
+
+def with_iterators(step: Step, resource_ids: tuple) -> Step:
+    """``step``'s programs reading the per-worker iterators ``resource_ids`` instead (one per iterator input, in order).
+
+    A traced program does not depend on which iterator feeds it, only on the
+    element signature (as ``tf.function`` keys a per-worker iterator by its
+    element spec): a new iterator of the same signature (a second ``fit``, an
+    ``iter()`` per epoch) reuses the traced step and apply programs.  The plan
+    gets a program id of its own (a worker keeps plans by id); the worker runs
+    the program it already compiled for the same box.
+    """
+    iterators = tuple((rid, *entry[1:]) for rid, entry in zip(resource_ids, step.plan.iterators, strict=True))
+    plan = dataclasses.replace(step.plan, program_id=next(_IDS), iterators=iterators)
+    return Step(plan=plan, box=step.box, out_tree=step.out_tree)
 
 
 def _offset(record: _Record) -> int:
