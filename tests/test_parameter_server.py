@@ -519,7 +519,8 @@ def test_a_worker_runs_one_compiled_program_for_plans_of_the_same_box():
     leaf = (jax.tree_util.tree_structure(0),)
     first = SimpleNamespace(program_id=1, family=9, iterators=((3, 1, ([((4,), "<i8")],)),), element_treedefs=leaf)
     second = SimpleNamespace(program_id=2, family=9, iterators=((4, 1, ([((4,), "<i8")],)),), element_treedefs=leaf)
-    worker._programs.update({1: "compiled", 2: "fresh copy"})
-    worker._plan_for_elements(first, ["box"])
-    plan, _, leaves = worker._plan_for_elements(second, ["box"])
+    worker._programs[1] = "compiled"
+    worker._keep_plan(first, ["box"])  # what load_plan does with a plan sent through Ray
+    worker._keep_plan(second, ["box"])  # not deserialized again: program 2 is program 1's compiled one
+    plan, _, leaves = worker._plan_for_elements(second, None)
     assert plan is second and worker._programs[2] == "compiled" and [x.tolist() for x in leaves] == [[0, 1, 2, 3]]

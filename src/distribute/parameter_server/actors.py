@@ -291,8 +291,17 @@ class Worker(_Served):
     @_locked
     def load_plan(self, plan: Any, box: list) -> None:
         """Keeps a ``StepPlan`` and loads its program (sent once, through Ray; runs then name its program id)."""
+        self._keep_plan(plan, box)
+
+    def _keep_plan(self, plan: Any, box: list | None) -> None:
+        """Keeps ``plan``; its program is the one compiled here for the same box before (``with_iterators``: a new
+        iterator of a known signature), else loaded from ``box``."""
         self._plans[plan.program_id] = plan
-        _load(self._programs, plan.program_id, box)
+        known = plan.program_id if box is None else self._box_programs.setdefault(box[0], plan.program_id)
+        if known != plan.program_id and known in self._programs:
+            self._programs[plan.program_id] = self._programs[known]
+        else:
+            _load(self._programs, plan.program_id, box)
 
     @_locked
     def create_iterator(self, resource_id: int, dataset_fn: Any) -> Any:
@@ -347,8 +356,7 @@ class Worker(_Served):
         if isinstance(plan, int):
             plan = self._plans[plan]
         else:  # kept, with its program, even when skipped: the coordinator sends each once
-            self._plans[plan.program_id] = plan
-            _load(self._programs, plan.program_id, box)
+            self._keep_plan(plan, box)
         if after is not None and after == self._failed:
             self._failed = closure_id  # and the one sent after it, if any, is skipped too
             return None
@@ -455,10 +463,6 @@ class Worker(_Served):
     def _plan_for_elements(self, plan: Any, box: list) -> tuple:
         """``(plan, box, element leaves)``: ``plan``, or the plan of its family that this worker ran before for the
         shapes of the next elements (no round trip to the coordinator); ElementSpecChanged for a new signature."""
-        if box is not None:  # a plan new here: the program compiled for the same box before, if any (with_iterators)
-            known = self._box_programs.setdefault(box[0], plan.program_id)
-            if known != plan.program_id and known in self._programs:
-                self._programs[plan.program_id] = self._programs[known]
         if plan.family >= 0:
             self._variants[(plan.family, _plan_signature(plan))] = (plan, box)
         found = self._elements(plan)
@@ -576,6 +580,8 @@ def _reconstructed() -> bool:
     try:
         import ray
 
+        if not ray.is_initialized():  # not in an actor (and never start or join a Ray cluster for asking)
+            return False
         return bool(ray.get_runtime_context().was_current_actor_reconstructed)
     except Exception:  # noqa: BLE001 - not in a Ray actor
         return False
