@@ -46,9 +46,9 @@ def two(ray_instance):
 
 @pytest.fixture(scope="module")
 def one(ray_instance):
-    """1 worker (updates in order: training equals one device's), 2 ps, variables of 1 MiB and more split in 2."""
-    partitioner = distribute.experimental.partitioners.MinSizePartitioner(min_shard_bytes=1 << 20, max_shards=2)
-    strategy = distribute.ParameterServerStrategy(num_workers=1, num_ps=2, variable_partitioner=partitioner)
+    """1 worker (updates in order: training equals one device's), 3 ps, variables of 1 MiB and more split in 3."""
+    partitioner = distribute.experimental.partitioners.MinSizePartitioner(min_shard_bytes=1 << 20, max_shards=3)
+    strategy = distribute.ParameterServerStrategy(num_workers=1, num_ps=3, variable_partitioner=partitioner)
     yield strategy, ClusterCoordinator(strategy)
     strategy._shutdown()
 
@@ -170,6 +170,25 @@ def test_host_callback_in_a_scheduled_function_is_a_clear_error(two):
     assert int(count.numpy()) == 1
 
 
+def test_a_jax_jit_step_is_scheduled_as_a_tf_function_is(two):
+    # The tutorial's `@tf.function def worker_fn(iterator)` ported as `@jax.jit`: schedule
+    # traces the function it wraps (was jax's "Too many leaves for PyTreeDef; expected 0").
+    strategy, coordinator = two
+    total = _counter(strategy)
+    iterator = iter(coordinator.create_per_worker_dataset(lambda: Dataset.from_tensor_slices(np.full(4, 2, np.int32)).repeat()))
+
+    @jax.jit
+    def worker_fn(iterator):
+        x = next(iterator)
+        total.assign_add(x)
+        return x * 10
+
+    results = [coordinator.schedule(worker_fn, args=(iterator,)) for _ in range(5)]
+    coordinator.join()
+    assert int(total.numpy()) == 10
+    assert [int(r.fetch()) for r in results] == [20] * 5
+
+
 def test_generator_error_keeps_its_type_cancels_and_schedule_works_after(two):
     strategy, coordinator = two
     total = _counter(strategy)
@@ -232,7 +251,7 @@ def test_exhausted_dataset_is_raised_by_done_and_by_the_next_schedule(two):
 
 
 def test_large_sharded_dense_kernel_one_worker_equals_one_device(one):
-    # A 2048x2048 kernel (16 MiB, 2 row shards on 2 ps): each step pushes 16 MiB of
+    # A 2048x2048 kernel (16 MiB, TF's "div" row shards 683/683/682 on 3 ps): each step pushes 16 MiB of
     # gradients and reads 16 MiB back; Adam on the ps equals Adam on one device.
     strategy, coordinator = one
     n = 2048
@@ -248,7 +267,7 @@ def test_large_sharded_dense_kernel_one_worker_equals_one_device(one):
         model, optimizer = build()
     kernel = model.layers[0].kernel
     assert isinstance(kernel, distribute.ShardedVariable)
-    assert [s.shape for s in kernel.variables] == [(1024, n), (1024, n)]
+    assert [s.shape for s in kernel.variables] == [(683, n), (683, n), (682, n)]
     assert {s.device for s in kernel.variables} == set(strategy.extended.parameter_devices)
     iterator = iter(coordinator.create_per_worker_dataset(lambda: Dataset.from_tensors((x, y)).repeat()))
 
@@ -319,16 +338,20 @@ def test_fifty_layer_keras_model_fit_validation_evaluate_predict_checkpoint(one,
 
 
 def test_worker_killed_while_large_updates_are_in_flight(two, ray_instance):
-    # 4 MiB per update (2 shards on 2 ps); the killed worker's steps re-run elsewhere,
-    # each ps applies each step once: every element counts each step exactly once.
+    # 4 MiB per update (2 shards on 2 ps) from an optimizer and from assign_add; the
+    # killed worker's steps re-run elsewhere, each ps applies each step once, so every
+    # element counts each step exactly once (TF may count a re-run twice).
     strategy, coordinator = two
     with strategy.scope():
         w = keras.Variable(np.zeros((1024, 1024), "float32"))
+        u = keras.Variable(np.zeros((1024, 1024), "float32"))
         count = keras.Variable(0, dtype="int32")
-    assert isinstance(w, distribute.ShardedVariable)
+        optimizer = keras.optimizers.SGD(1.0)
+    assert isinstance(w, distribute.ShardedVariable) and isinstance(u, distribute.ShardedVariable)
 
     def step():
         w.assign_add(keras.ops.ones((1024, 1024)))
+        optimizer.apply_gradients([(keras.ops.ones((1024, 1024)), u)])
         count.assign_add(1)
         return count.value
 
@@ -336,13 +359,14 @@ def test_worker_killed_while_large_updates_are_in_flight(two, ray_instance):
     results[2].fetch()
     ray_instance.kill(strategy.extended._cluster.workers[1], no_restart=False)
     coordinator.join()
-    assert int(count.numpy()) == 30
-    values = np.asarray(w.numpy())
-    assert values.min() == values.max() == 30.0
+    assert int(count.numpy()) == 30 and int(optimizer.iterations.numpy()) == 30
+    values, trained = np.asarray(w.numpy()), np.asarray(u.numpy())
+    assert values.min() == values.max() == 30.0 and trained.min() == trained.max() == -30.0
     for _ in range(5):
         coordinator.schedule(step)
     coordinator.join()
     assert int(count.numpy()) == 35 and float(np.asarray(w.numpy()).max()) == 35.0
+    assert int(optimizer.iterations.numpy()) == 35 and float(np.asarray(u.numpy()).min()) == -35.0
 
 
 def test_lost_ps_then_a_second_strategy_restores_the_checkpoint(ray_instance, tmp_path):
