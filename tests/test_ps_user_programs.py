@@ -485,3 +485,34 @@ def test_interrupted_program_exits_promptly_with_steps_still_scheduled(ray_insta
     proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.split() == ["KeyboardInterrupt", "exiting"], proc.stdout + proc.stderr[-3000:]
+
+
+def test_two_worker_fit_validation_equals_evaluate_and_predict_equals_the_final_weights(two):
+    # With 2 workers training is asynchronous, but validation runs after the epoch's
+    # join and evaluate/predict get each row once: val_ logs equal evaluate() on the
+    # final weights, predict equals a forward pass of them on one device.
+    strategy, _ = two
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(256, 6)).astype("float32")
+    y = (x[:, 0] > 0).astype("int32")
+    xv = rng.normal(size=(37, 6)).astype("float32")
+    yv = (xv[:, 0] > 0).astype("int32")
+
+    def build():
+        model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(16, activation="relu"), keras.layers.Dense(2)])
+        model.compile(optimizer="adam", metrics=["accuracy"],
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        return model
+
+    with strategy.scope():
+        model = build()
+    history = model.fit(x, y, batch_size=16, epochs=2, steps_per_epoch=8, validation_data=(xv, yv), verbose=0)
+    assert int(model.optimizer.iterations.numpy()) == 16
+    scores = model.evaluate(xv, yv, batch_size=8, verbose=0, return_dict=True)
+    np.testing.assert_allclose(history.history["val_loss"][-1], scores["loss"], rtol=1e-5)
+    np.testing.assert_allclose(history.history["val_accuracy"][-1], scores["accuracy"], rtol=1e-6)
+    local = build()
+    local.set_weights([np.asarray(w.numpy()) for w in model.weights[: len(local.weights)]])
+    np.testing.assert_allclose(model.predict(xv, batch_size=8, verbose=0), local.predict(xv, verbose=0), atol=1e-5)
+    local_scores = local.evaluate(xv, yv, verbose=0, return_dict=True)
+    np.testing.assert_allclose(scores["loss"], local_scores["loss"], rtol=1e-5)
