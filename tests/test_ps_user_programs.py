@@ -151,6 +151,26 @@ def test_results_that_are_not_arrays(two):
     assert int(count.numpy()) == 1
 
 
+def test_an_unpicklable_dataset_fn_is_a_clear_error_and_leaves_nothing_behind(two):
+    # TF traces dataset_fn on the coordinator; here it runs on every worker, so it is
+    # pickled: the error names it and the fix (was Ray's message about an internal object).
+    strategy, coordinator = two
+    count = _counter(strategy)
+    lock = threading.Lock()
+
+    def locked_dataset_fn():
+        with lock:
+            return Dataset.range(4).repeat()
+
+    per_worker = coordinator.create_per_worker_dataset(locked_dataset_fn)
+    with pytest.raises(TypeError, match=r"'.*locked_dataset_fn' given to create_per_worker_dataset runs on every "
+                                        r"worker, so it must be picklable.*create such objects inside the function"):
+        iter(per_worker)
+    coordinator.schedule(lambda: count.assign_add(1))
+    coordinator.join()
+    assert int(count.numpy()) == 1
+
+
 def test_host_callback_in_a_scheduled_function_is_a_clear_error(two):
     # TF's tf.print runs on the worker; a jax.export program cannot carry host
     # callbacks, so jax.debug.print is refused with the fix (was jax's bare

@@ -189,11 +189,20 @@ class WorkerThread:
 
     def add_resource(self, resource_id: int, dataset_fn: Any, remote_value: Any) -> None:
         with self._lock:
-            self.resources[resource_id] = (dataset_fn, remote_value)
             self._create(resource_id, dataset_fn, remote_value)
+            self.resources[resource_id] = (dataset_fn, remote_value)
 
     def _create(self, resource_id: int, dataset_fn: Any, remote_value: Any) -> None:
-        ref = self.actor.create_iterator.remote(resource_id, dataset_fn)
+        try:
+            ref = self.actor.create_iterator.remote(resource_id, dataset_fn)
+        except TypeError as err:  # Ray could not pickle it: say whose function and what to do first
+            name = getattr(getattr(dataset_fn, "_fn", None), "__qualname__", None)
+            what = f"the dataset function {name!r}" if name else "the dataset"
+            raise TypeError(
+                f"{what} given to create_per_worker_dataset runs on every worker, so it must be picklable "
+                "(cloudpickle), and it captures an object that is not (a lock, an open file, a connection, ...): "
+                f"create such objects inside the function. Ray's report follows.\n{err}"
+            ) from err
         self._creating.append(ref)
         remote_value._start(ref)
 
