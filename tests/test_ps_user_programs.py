@@ -171,6 +171,16 @@ def test_an_unpicklable_dataset_fn_is_a_clear_error_and_leaves_nothing_behind(tw
     assert int(count.numpy()) == 1
 
 
+def test_a_variable_made_outside_the_scope_in_a_scheduled_function_is_named(two):
+    strategy, coordinator = two
+    outside = keras.Variable(5.0, name="made_outside")
+    with pytest.raises(ValueError, match=r"'made_outside'.*created outside any strategy.scope\(\).*"
+                                         r"ClusterCoordinator.schedule\)"):
+        coordinator.schedule(lambda: outside.assign_add(1.0))
+    assert float(outside.numpy()) == 5.0
+    coordinator.join()
+
+
 def test_host_callback_in_a_scheduled_function_is_a_clear_error(two):
     # TF's tf.print runs on the worker; a jax.export program cannot carry host
     # callbacks, so jax.debug.print is refused with the fix (was jax's bare
