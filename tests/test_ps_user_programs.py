@@ -411,6 +411,7 @@ def test_lost_ps_then_a_second_strategy_restores_the_checkpoint(ray_instance, tm
     strategy, coordinator, count = start()
     try:
         step = lambda: count.assign_add(1)  # noqa: E731
+        old_iterator = iter(coordinator.create_per_worker_dataset(lambda: Dataset.range(3).repeat()))
         for _ in range(5):
             coordinator.schedule(step)
         coordinator.join()
@@ -430,10 +431,15 @@ def test_lost_ps_then_a_second_strategy_restores_the_checkpoint(ray_instance, tm
     finally:
         strategy._shutdown()
 
+    # The old coordinator refuses to schedule, at once and saying why (was: a hang).
+    with pytest.raises(RuntimeError, match="was shut down .* create a new ParameterServerStrategy"):
+        coordinator.schedule(step)
     strategy2, coordinator2, count2 = start()
     try:
         assert coordinator2 is not coordinator
         distribute.Checkpoint(count=count2).restore(path)
+        with pytest.raises(ValueError, match="made by another ClusterCoordinator.*this coordinator's create_per_worker_dataset"):
+            coordinator2.schedule(lambda it: count2.assign_add(next(it)), args=(old_iterator,))
         for _ in range(3):
             coordinator2.schedule(lambda: count2.assign_add(1))
         coordinator2.join()

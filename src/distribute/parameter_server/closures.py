@@ -81,6 +81,7 @@ class ClosureQueue:
 
     def put(self, closure: Closure) -> None:
         with self._cond:
+            self._raise_if_stopped()
             self._raise_if_error()
             self._queue.append(closure)
             self._cond.notify_all()
@@ -88,7 +89,16 @@ class ClosureQueue:
     def put_check(self) -> None:
         """Raises (and clears) the pending error, once nothing is in flight (TF: schedule raises it)."""
         with self._cond:
+            self._raise_if_stopped()
             self._raise_if_error()
+
+    def _raise_if_stopped(self) -> None:
+        if self._stopped:
+            raise RuntimeError(
+                "this ClusterCoordinator's ParameterServerStrategy was shut down (its workers and ps are gone), so it "
+                "cannot schedule: create a new ParameterServerStrategy and ClusterCoordinator, re-create the model "
+                "in its scope and restore the last checkpoint."
+            )
 
     def get(self, block: bool = True) -> Closure | None:
         """The next closure (counted in flight); None once stopped, or (``block=False``) when none is queued."""

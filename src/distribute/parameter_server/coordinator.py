@@ -112,6 +112,12 @@ class ClusterCoordinator:
                     "function is not yet supported."
                 )
             if isinstance(leaf, PerWorkerDistributedIterator):
+                if leaf._resource_id not in self._threads[0].resources:
+                    raise ValueError(
+                        "a per-worker iterator (or dataset) made by another ClusterCoordinator was passed to this "
+                        "one's schedule: its workers do not hold it. Create it with this coordinator's "
+                        "create_per_worker_dataset."
+                    )
                 el_treedef, specs = leaf._spec()
                 kinds.append(program.ITER)
                 iter_specs.append((leaf._resource_id, el_treedef, [_canonical(specs)]))
