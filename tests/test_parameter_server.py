@@ -204,7 +204,9 @@ def test_a_step_scheduled_at_once_reads_a_dataset_still_being_built(two_by_two):
     results = [coordinator.schedule(lambda it: keras.ops.sum(next(it)), args=(iterator,)) for _ in range(4)]
     coordinator.join()
     sums = sorted(int(r.fetch()) for r in results)
-    assert sums in ([45, 45, 145, 145], [45, 145, 245, 345]), sums  # each worker reads its own copy in order
+    # Each worker reads its own copy in order; how the 4 steps split between the 2 workers is timing.
+    prefix = [45, 145, 245, 345]
+    assert any(sums == sorted(prefix[:k] + prefix[: 4 - k]) for k in range(5)), sums
 
 
 def test_a_user_error_keeps_its_type_and_names_where_it_was_raised(two_by_two):
