@@ -418,7 +418,7 @@ def ownership_error(strategy: Any, variable: Any) -> ValueError:
     if where is None:
         return ValueError(
             f"{what} was created outside any strategy.scope() and is used with {strategy!r} "
-            "(strategy.run or model.fit). Create models, optimizers and metrics inside the scope: "
+            "(strategy.run, model.fit or ClusterCoordinator.schedule). Create models, optimizers and metrics inside the scope: "
             "`with strategy.scope(): model = ...; optimizer = ...`."
         )
     return ValueError(

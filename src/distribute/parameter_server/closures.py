@@ -81,6 +81,7 @@ class ClosureQueue:
 
     def put(self, closure: Closure) -> None:
         with self._cond:
+            self._raise_if_stopped()
             self._raise_if_error()
             self._queue.append(closure)
             self._cond.notify_all()
@@ -88,7 +89,16 @@ class ClosureQueue:
     def put_check(self) -> None:
         """Raises (and clears) the pending error, once nothing is in flight (TF: schedule raises it)."""
         with self._cond:
+            self._raise_if_stopped()
             self._raise_if_error()
+
+    def _raise_if_stopped(self) -> None:
+        if self._stopped:
+            raise RuntimeError(
+                "this ClusterCoordinator's ParameterServerStrategy was shut down (its workers and ps are gone), so it "
+                "cannot schedule: create a new ParameterServerStrategy and ClusterCoordinator, re-create the model "
+                "in its scope and restore the last checkpoint."
+            )
 
     def get(self, block: bool = True) -> Closure | None:
         """The next closure (counted in flight); None once stopped, or (``block=False``) when none is queued."""
@@ -189,11 +199,20 @@ class WorkerThread:
 
     def add_resource(self, resource_id: int, dataset_fn: Any, remote_value: Any) -> None:
         with self._lock:
-            self.resources[resource_id] = (dataset_fn, remote_value)
             self._create(resource_id, dataset_fn, remote_value)
+            self.resources[resource_id] = (dataset_fn, remote_value)
 
     def _create(self, resource_id: int, dataset_fn: Any, remote_value: Any) -> None:
-        ref = self.actor.create_iterator.remote(resource_id, dataset_fn)
+        try:
+            ref = self.actor.create_iterator.remote(resource_id, dataset_fn)
+        except TypeError as err:  # Ray could not pickle it: say whose function and what to do first
+            name = getattr(getattr(dataset_fn, "_fn", None), "__qualname__", None)
+            what = f"the dataset function {name!r}" if name else "the dataset"
+            raise TypeError(
+                f"{what} given to create_per_worker_dataset runs on every worker, so it must be picklable "
+                "(cloudpickle), and it captures an object that is not (a lock, an open file, a connection, ...): "
+                f"create such objects inside the function. Ray's report follows.\n{err}"
+            ) from err
         self._creating.append(ref)
         remote_value._start(ref)
 

@@ -80,7 +80,8 @@ class ClusterCoordinator:
         """Queues ``fn(*args, **kwargs)`` to run on some worker; returns its RemoteValue at once.
 
         ``fn`` is a plain Python function, traced on the coordinator once per input
-        signature (as TF traces a ``tf.function``): array arguments are inputs,
+        signature (as TF traces a ``tf.function``; a ``jax.jit``-wrapped function,
+        the port of a ``@tf.function``, is traced as the function it wraps): array arguments are inputs,
         Python values are constants, a per-worker iterator gives the executing
         worker's elements.  It runs at least once (more if a worker is lost midway,
         as in TF), but its variable updates take effect exactly once: each ps
@@ -97,6 +98,7 @@ class ClusterCoordinator:
 
         if not callable(fn):
             raise TypeError("Function passed to `ClusterCoordinator.schedule` must be a callable object.")
+        fn = _unwrap_jit(fn)
         args = tuple(args or ())
         kwargs = dict(kwargs or {})
         self._queue.put_check()
@@ -111,6 +113,12 @@ class ClusterCoordinator:
                     "function is not yet supported."
                 )
             if isinstance(leaf, PerWorkerDistributedIterator):
+                if leaf._resource_id not in self._threads[0].resources:
+                    raise ValueError(
+                        "a per-worker iterator (or dataset) made by another ClusterCoordinator was passed to this "
+                        "one's schedule: its workers do not hold it. Create it with this coordinator's "
+                        "create_per_worker_dataset."
+                    )
                 el_treedef, specs = leaf._spec()
                 kinds.append(program.ITER)
                 iter_specs.append((leaf._resource_id, el_treedef, [_canonical(specs)]))
@@ -238,6 +246,13 @@ def _retrace(step_for: Callable, changed: ElementSpecChanged) -> Any:
         specs = [_canonical(e) for e in elements]
         iter_specs.append((rid, el_treedef, specs[:1] if all(s == specs[0] for s in specs) else specs))
     return step_for(iter_specs)  # every element alike: the same signature as schedule's (one cached step)
+
+
+def _unwrap_jit(fn: Callable) -> Callable:
+    """The Python function of a ``jax.jit`` wrapper (schedule compiles the whole step itself)."""
+    while hasattr(fn, "__wrapped__") and hasattr(fn, "lower") and hasattr(fn, "trace"):
+        fn = fn.__wrapped__
+    return fn
 
 
 def _function_key(fn: Callable) -> Any:

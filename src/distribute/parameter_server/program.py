@@ -163,7 +163,7 @@ def trace_step(strategy: Any, fn: Callable, treedef: Any, kinds: list, statics: 
             for k in range(n)
             for shape, dtype in spec_at(specs, k)
         ]
-        exported = jax.export.export(jax.jit(body))(read_avals, iter_avals, arg_avals)
+        exported = _export(fn, body, read_avals, iter_avals, arg_avals)
         initialize_all_variables()
         new = {i: v for i, v in {**record.missing, **record.written}.items() if i not in known}
         if new or record.counts != counts:
@@ -177,6 +177,20 @@ def trace_step(strategy: Any, fn: Callable, treedef: Any, kinds: list, statics: 
         f"tracing {getattr(fn, '__qualname__', fn)!r} for ClusterCoordinator.schedule did not settle: it keeps "
         "creating variables or calling next() a different number of times. Create variables before scheduling."
     )
+
+
+def _export(fn, body, *avals):
+    try:
+        return jax.export.export(jax.jit(body))(*avals)
+    except NotImplementedError as err:
+        if "host_callbacks" not in str(err):
+            raise
+        raise NotImplementedError(
+            f"{getattr(fn, '__qualname__', fn)!r}, scheduled with ClusterCoordinator.schedule, calls back into "
+            "Python (jax.debug.print, jax.debug.callback, jax.pure_callback or io_callback): a scheduled function "
+            "goes to the workers as a jax.export program, which cannot carry host callbacks (TF's tf.print runs "
+            "on the worker). Return the values instead and print them after RemoteValue.fetch()."
+        ) from err
 
 
 def _step_body(strategy, fn, treedef, kinds, statics, iter_specs, counts, read_vars, record: _Record, datasets=frozenset()):
