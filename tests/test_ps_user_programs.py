@@ -448,10 +448,6 @@ def test_lost_ps_then_a_second_strategy_restores_the_checkpoint(ray_instance, tm
         strategy2._shutdown()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "TF: a variable read on the coordinator reads its ps, so it sees every update applied so far; here it reads "
-    "the coordinator's copy, refreshed only by join(), done() and fetch(). Remedy: refresh on a read while "
-    "closures finished since the last refresh (as fetch does), or document the difference."))
 def test_a_read_without_join_sees_the_updates_the_ps_applied(two):
     strategy, coordinator = two
     count = _counter(strategy)
@@ -464,8 +460,43 @@ def test_a_read_without_join_sees_the_updates_the_ps_applied(two):
     while int(_ps_value(ps, shard.key)) != 5:
         assert time.monotonic() < deadline, "the ps never applied the 5 updates"
         time.sleep(0.02)
-    assert int(count.numpy()) == 5  # TF: 5 (a read of the ps); here the copy of the last join: 0
+    assert int(count.numpy()) == 5  # TF: 5 (a read of the ps), also while closures may still be in flight
     coordinator.join()
+
+
+def test_a_read_while_a_step_is_still_running_reads_the_ps(two, tmp_path):
+    # A worker's second element waits until released: of 3 steps reading it, one is held on one worker (the
+    # queue stays busy) while the other worker applies the counter's steps. A read on the coordinator then
+    # is the ps's value, as TF's read of the ps.
+    strategy, coordinator = two
+    count = _counter(strategy)
+    coordinator.join()
+    release = tmp_path / "release"
+
+    def held():
+        yield np.float32(1)
+        while not os.path.exists(release):
+            time.sleep(0.01)
+        for value in range(2, 10):
+            yield np.float32(value)
+
+    iterator = iter(coordinator.create_per_worker_dataset(
+        lambda: Dataset.from_generator(held, output_signature=TensorSpec((), "float32"))))
+    reads = [coordinator.schedule(lambda it: next(it), args=(iterator,)) for _ in range(3)]
+    for _ in range(6):
+        coordinator.schedule(lambda: count.assign_add(1))
+    shard = strategy.extended._registry.entry(count).shards[0]
+    ps = strategy.extended._cluster.ps[shard.ps]
+    deadline = time.monotonic() + 120
+    while int(_ps_value(ps, shard.key)) < 5:  # at most one counter step waits behind the held one
+        assert time.monotonic() < deadline, "the free worker never applied the counter's steps"
+        time.sleep(0.02)
+    assert coordinator._queue.busy()
+    assert int(count.numpy()) == int(_ps_value(ps, shard.key))
+    release.touch()
+    coordinator.join()
+    assert sorted(float(r.fetch()) for r in reads) in ([1.0, 1.0, 2.0], [1.0, 2.0, 3.0])  # 2 + 1 or 3 + 0 steps
+    assert int(count.numpy()) == 6
 
 
 def _ps_value(ps, key):

@@ -120,6 +120,9 @@ def _variable_value(original):
     keras_read = original.fget
 
     def value(self):
+        before_read = self.__dict__.get("_distribute_before_read")
+        if before_read is not None and get_stateless_scope() is None:
+            before_read(self)  # a ParameterServerStrategy variable: its coordinator copy made current (TF reads the ps)
         current = self._value
         if current is None or get_stateless_scope() is not None:
             # Inside any stateless scope (strategy.run's and fit's programs, Keras'

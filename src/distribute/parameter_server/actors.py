@@ -154,6 +154,11 @@ class ParameterServer(_Served):
         self._num_reads += 1
         return [self._values[k] for k in keys]
 
+    @_locked
+    def peek(self, keys: tuple) -> list:
+        """The values of ``keys`` for the coordinator (not counted in ``num_reads``)."""
+        return [self._values[k] for k in keys]
+
     def num_reads(self) -> int:
         """How many ``read`` calls (a worker's pulls; a step that reads a push's read-back makes none)."""
         return self._num_reads

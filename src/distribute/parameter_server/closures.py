@@ -153,6 +153,11 @@ class ClosureQueue:
                 self._cond.wait(1.0)
             self._raise_if_error()
 
+    def busy(self) -> bool:
+        """Whether closures are queued or in flight (they may be changing the ps)."""
+        with self._cond:
+            return bool(self._queue) or self._inflight > 0
+
     def done(self) -> bool:
         with self._cond:
             if self._error is not None and self._inflight == 0:

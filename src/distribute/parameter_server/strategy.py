@@ -90,6 +90,33 @@ class ParameterServerStrategyExtended(StrategyExtended):
 
             make_sharded(var, [(s.start, s.stop) for s in entry.shards], [ps_device(s.ps) for s in entry.shards])
         var._distribute_on_assign = self._on_assign
+        var._distribute_before_read = self._before_read
+
+    def _before_read(self, var: Any) -> None:
+        """A read of ``var`` on the coordinator (not while a scheduled function is traced) sees its ps's value.
+
+        TF reads the ps.  Here the coordinator keeps copies, refreshed after closures
+        finished (as ``fetch`` does: one read of every ps); while closures are
+        queued or running, the read asks ``var``'s ps for its current value.
+        """
+        coordinator = self._container_strategy._cluster_coordinator
+        if _SCHEDULING.get() or coordinator is None or self._cluster is None or not self._cluster.alive:
+            return
+        entry = self._registry.entry(var)
+        if entry is None or not entry.on_ps:
+            return
+        if coordinator._queue.busy():
+            self._refresh_entry(entry)
+        else:
+            coordinator._refresh_after_progress()
+
+    def _refresh_entry(self, entry: Any) -> None:
+        per_ps: dict[int, list] = {}
+        for shard in entry.shards:
+            per_ps.setdefault(shard.ps, []).append(shard.key)
+        got = self._cluster.get_from_ps([self._cluster.ps[j].peek.remote(tuple(keys)) for j, keys in per_ps.items()])
+        values = {key: value for keys, vals in zip(per_ps.values(), got) for key, value in zip(keys, vals)}
+        self._registry.set_local(entry, self._registry.assemble(entry, values))
 
     def _on_assign(self, var: Any) -> None:
         """A coordinator-side assignment (set_weights, restore, reset_state): pushed to the ps at once."""
