@@ -120,7 +120,8 @@ class Server:
     """Listens on ``host`` (an ephemeral port); each connection gets a thread answering ``handle(request)``.
 
     ``handle`` returns the reply object or raises; an exception travels back as
-    the reply ``("error", exception)`` and the worker raises it.  ``address`` is
+    the reply ``("error", the exception pickled by value)`` and the caller's
+    ``Connection.receive`` raises it as ``RemoteError``.  ``address`` is
     ``(host, port, token)``.
     """
 
@@ -129,7 +130,7 @@ class Server:
         self._token = secrets.token_bytes(TOKEN_BYTES)
         self._listener = socket.create_server((host, 0))
         self.address = (host, self._listener.getsockname()[1], self._token)
-        threading.Thread(target=self._accept, name="ps-channel-accept", daemon=True).start()
+        threading.Thread(target=self._accept, name=f"channel-accept ({name})", daemon=True).start()
 
     def _accept(self) -> None:
         while True:
@@ -138,7 +139,7 @@ class Server:
             except OSError:  # closed
                 return
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)  # a vanished worker's thread ends
-            threading.Thread(target=self._serve, args=(_tuned(sock),), name="ps-channel", daemon=True).start()
+            threading.Thread(target=self._serve, args=(_tuned(sock),), name=f"channel ({self._name})", daemon=True).start()
 
     def _serve(self, sock: socket.socket) -> None:
         with sock:
