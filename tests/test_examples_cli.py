@@ -234,10 +234,10 @@ def test_readme_quick_start_matches_ci():
     ci = (ROOT / ".ci" / "run").read_text()
     test_command = "python3 -m venv .venv && .venv/bin/pip install '.[test]' && .venv/bin/python -m pytest"
     assert test_command in readme
-    # CI runs the same steps (quietly), with the lint gates before the tests.
-    for step in ("python3 -m venv .venv", ".venv/bin/pip install --quiet '.[test]'", ".venv/bin/python -m pytest"):
+    # CI runs the same steps (quietly; the docs extra too), with the lint gates and the docs build before the tests.
+    for step in ("python3 -m venv .venv", ".venv/bin/pip install --quiet '.[test,docs]'", ".venv/bin/python -m pytest"):
         assert step in ci
-    assert ci.index("pip install") < ci.index("ruff check") < ci.index("lint-imports") < ci.index("-m pytest")
+    assert ci.index("pip install") < ci.index("ruff check") < ci.index("lint-imports") < ci.index("mkdocs build --strict") < ci.index("-m pytest")
 
 
 @pytest.mark.multiprocess

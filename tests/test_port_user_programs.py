@@ -117,7 +117,8 @@ def _history(model, *args, **kwargs):
 
 
 @pytest.mark.parametrize("program", ["sample_weight_validation_split", "class_weight", "callbacks",
-                                     "steps_per_execution", "pydataset", "generator", "dataset_validation"])
+                                     "steps_per_execution", "steps_per_execution_dataset", "pydataset", "generator",
+                                     "dataset_validation"])
 def test_fit_variants_on_uneven_batches_equal_one_device(program):
     def run(strategy):
         model = _regressor(strategy)
@@ -146,6 +147,12 @@ def test_fit_variants_on_uneven_batches_equal_one_device(program):
             with strategy.scope():
                 model.compile(optimizer=keras.optimizers.Adam(0.05), loss="mse", metrics=["mae"], steps_per_execution=3)
             return _history(model, X37, Y37, batch_size=8, epochs=2), model
+        if program == "steps_per_execution_dataset":
+            # batches 6, 6, 6, 3 in one execution of 4 steps: the partial batch splits evenly (1 row a replica)
+            # but cannot be stacked with the full ones (it raised numpy's "all input arrays must have the same shape")
+            with strategy.scope():
+                model.compile(optimizer=keras.optimizers.Adam(0.05), loss="mse", metrics=["mae"], steps_per_execution=4)
+            return _history(model, distribute.data.Dataset.from_tensor_slices((X37[:21], Y37[:21])).batch(6), epochs=2), model
         if program == "pydataset":
             class Batches(keras.utils.PyDataset):
                 def __len__(self):

@@ -350,8 +350,9 @@ def test_two_workers_sigterm_to_one_worker_through_the_launcher(tmp_path, refere
 
 
 def test_readme_preemption_example_runs_and_resumes(tmp_path):
-    readme = (HERE.parent / "README.md").read_text()
-    section = readme[readme.index("### Preemption: PreemptionCheckpointHandler"):]
+    """The preemption loop of docs/guides/fault_tolerance.md, as written there (tests/test_docs.py names this test)."""
+    page = (HERE.parent / "docs" / "guides" / "fault_tolerance.md").read_text()
+    section = page[page.index("## Preemption"):]
     code = section.split("```python\n", 1)[1].split("```", 1)[0]
     x = np.arange(48, dtype=np.float32).reshape(12, 4) / 48
     prelude = {
@@ -377,8 +378,8 @@ def test_readme_preemption_example_runs_and_resumes(tmp_path):
 
     namespace = {**prelude, "distributed_train_step": distributed_train_step, "stop_at": 2}
     with pytest.raises(SystemExit) as exited:
-        exec(compile(code, "README.md", "exec"), namespace)  # noqa: S102 - the README's own example
+        exec(compile(code, "fault_tolerance.md", "exec"), namespace)  # noqa: S102 - the page's own example
     assert exited.value.code == 42 and namespace["handler"].total_run_calls == 4
     namespace = {**prelude, "distributed_train_step": distributed_train_step}
-    exec(compile(code, "README.md", "exec"), namespace)  # noqa: S102
+    exec(compile(code, "fault_tolerance.md", "exec"), namespace)  # noqa: S102
     assert namespace["handler"].total_run_calls == 6 and float(namespace["loss"]) >= 0

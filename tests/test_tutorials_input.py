@@ -317,10 +317,10 @@ def test_distributed_input_guide_generator():
 def test_readme_moving_a_tf_data_input_function_over_runs():
     import pathlib
 
-    readme = (pathlib.Path(__file__).parents[1] / "README.md").read_text()
-    section = readme[readme.index("### Moving a tf.data input function over"):]
+    page = (pathlib.Path(__file__).parents[1] / "docs" / "guides" / "input.md").read_text()
+    section = page[page.index("## Moving a tf.data input function over"):]
     code = section.split("```python\n", 1)[1].split("```", 1)[0]
     namespace: dict = {}
-    exec(compile(code, "README.md", "exec"), namespace)  # noqa: S102 - the README's own example
+    exec(compile(code, "input.md", "exec"), namespace)  # noqa: S102 - the page's own example
     assert namespace["steps"] == 4
     assert repr(namespace["dist"].element_spec[0]).startswith("PerReplicaSpec(TensorSpec(shape=(None, 2, 2), dtype=float32")

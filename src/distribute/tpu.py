@@ -45,7 +45,8 @@ class TPUClusterResolver(ClusterResolver):
     Args:
         tpu: accepted for compatibility: ``None``, ``""`` or ``"local"`` mean
             this host's TPU; JAX's runtime discovers the slice itself.
-        zone, project: accepted for compatibility.
+        zone: accepted for compatibility.
+        project: accepted for compatibility.
 
     Raises:
         ValueError: no TPU devices are visible to JAX.
@@ -78,8 +79,8 @@ class TPUStrategy(Strategy):
 
     Args:
         tpu_cluster_resolver: a :class:`TPUClusterResolver`; default: this host's TPU.
-        experimental_device_assignment, experimental_spmd_xla_partitioning:
-            accepted for compatibility (one replica per core).
+        experimental_device_assignment: accepted for compatibility (one replica per core).
+        experimental_spmd_xla_partitioning: accepted for compatibility.
 
     Raises:
         ValueError: there is no TPU (the message says what JAX sees).

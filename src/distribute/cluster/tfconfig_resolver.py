@@ -53,7 +53,10 @@ class TFConfigClusterResolver(ClusterResolver):
 
         Args:
             tf_config: A parsed `TFConfig`, or TF_CONFIG's JSON text, or None.
-            task_type, task_id, rpc_layer, environment: As the constructor.
+            task_type: As the constructor.
+            task_id: As the constructor.
+            rpc_layer: As the constructor.
+            environment: As the constructor.
 
         Returns:
             The resolver.

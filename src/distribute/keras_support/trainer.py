@@ -334,7 +334,10 @@ class _StepRunner:
     def _run(self, state: Any, batches: list, steps: int) -> tuple[list, Any]:
         split = [_split(self.strategy, data) for data in batches]
         ext = self.strategy.extended
-        if self.multi_step and steps > 1 and len(split) == steps and all(counts is None and treedef == split[0][0] for treedef, _, counts in split):
+        first = split[0]
+        if self.multi_step and steps > 1 and len(split) == steps and all(
+                counts is None and treedef == first[0] and all(np.shape(a) == np.shape(b) for a, b in zip(host, first[1]))
+                for treedef, host, counts in split):  # one scan over equal batches; a partial one among them runs alone
             stacked = [_put_steps(self.strategy, np.stack([host[j] for _, host, _ in split])) for j in range(len(split[0][1]))]
             result, state = self._compiled(split[0][0], stacked, steps)(state, stacked)
             ext.record_dispatch(result)

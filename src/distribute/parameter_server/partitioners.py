@@ -13,6 +13,9 @@ from typing import Any
 
 import numpy as np
 
+# The names of tf.distribute.experimental.partitioners (div_split and num_partitions serve the strategy).
+__all__ = ["FixedShardsPartitioner", "MaxSizePartitioner", "MinSizePartitioner", "Partitioner"]
+
 
 def _as_shape(shape: Any) -> list[int]:
     return [int(d) for d in (shape.as_list() if hasattr(shape, "as_list") else shape)]

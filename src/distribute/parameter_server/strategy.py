@@ -204,7 +204,8 @@ class ParameterServerStrategy(Strategy):
             jobs (and optionally a ``chief``: the coordinator, this process).
         variable_partitioner: a ``distribute.experimental.partitioners`` partitioner
             (axis 0 only), or None.
-        num_workers, num_ps: task counts without a resolver (defaults 2 and 1).
+        num_workers: the number of worker tasks without a resolver (default 2).
+        num_ps: the number of ps tasks without a resolver (default 1).
         address: a Ray address to join.
 
     Raises:
