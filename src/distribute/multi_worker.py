@@ -38,7 +38,8 @@ from distribute._coordination import WorkerLostError  # noqa: F401  (raised by t
 from distribute._coordination import _agree_on_seed, _Cluster, _Exchange, _join, _read_cluster
 from distribute.cluster import _env
 from distribute.input.policy import InputPolicy
-from distribute.strategy import Strategy, StrategyExtended
+from distribute.keras_support import patches
+from distribute.mesh_strategy import MeshExtended, MeshStrategy
 
 DEFAULT_TIMEOUT_SECONDS = 300.0
 logger = logging.getLogger("distribute")
@@ -264,7 +265,7 @@ class MultiWorkerInputPolicy(InputPolicy):
             yield stacked, treedef, (None if rows and bool(np.all(lengths == rows)) else lengths)
 
 
-class MultiWorkerExtended(StrategyExtended):
+class MultiWorkerExtended(MeshExtended):
     """StrategyExtended over all workers' devices; see :class:`MultiWorkerMirroredStrategy`."""
 
     def __init__(self, strategy: "MultiWorkerMirroredStrategy", devices: Any, cluster: _Cluster, exchange: "_Exchange | None"):
@@ -311,7 +312,7 @@ class MultiWorkerExtended(StrategyExtended):
     def experimental_should_init(self) -> bool:
         return True
 
-    def _agree_on_shapes(self, local: list, what: str) -> list:
+    def agree_on_shapes(self, local: list, what: str) -> list:
         """Every worker's ``local`` (a JSON-able list of shapes and dtypes), in worker order.
 
         Exchanged through the coordination service, not a device collective, so
@@ -329,7 +330,7 @@ class MultiWorkerExtended(StrategyExtended):
         self._previous_shape_channel = channel
         return gathered
 
-class MultiWorkerMirroredStrategy(Strategy):
+class MultiWorkerMirroredStrategy(MeshStrategy):
     """Synchronous training on every device of every worker (tf.distribute.MultiWorkerMirroredStrategy).
 
     Each worker (process) runs the same program and drives its local devices;
@@ -358,11 +359,8 @@ class MultiWorkerMirroredStrategy(Strategy):
 
     def __init__(self, cluster_resolver: Any = None, communication_options: CommunicationOptions | None = None):
         from distribute.cluster.detect import default_resolver
-        from distribute.keras_support import saving
-        from distribute.keras_support.hooks import install
 
-        install()
-        saving.install()
+        patches.install_multi_worker()
         if communication_options is None:
             communication_options = CommunicationOptions()
         if not isinstance(communication_options, CommunicationOptions):

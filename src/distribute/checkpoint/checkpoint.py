@@ -7,7 +7,8 @@ from typing import Any
 
 import numpy as np
 
-from distribute.checkpoint import _state, _storage
+import distribute.checkpoint._state as _state
+import distribute.checkpoint._storage as _storage
 
 
 def _agreed_path(strategy: Any, path: str) -> str:
@@ -278,5 +279,5 @@ class Checkpoint:
             if not _state.is_optimizer(obj) or obj.built or len(saved.get(name, [])) <= len(obj.variables):
                 continue
             if trainable:
-                with _state.strategy_of(trainable).scope():
+                with _state.scope_of(_state.strategy_of(trainable)):
                     obj.build(trainable)

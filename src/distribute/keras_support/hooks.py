@@ -32,56 +32,18 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import inspect
-import weakref
 from typing import Any, Iterator
 
 import jax
 import jax.numpy as jnp
 
-from distribute import _context, sync_on_read
+from distribute import _context
 from distribute._keras import (
-    BaseOptimizer,
-    BatchNormalization,
-    JaxVariable,
-    JAXTrainer,
-    KerasVariable,
-    Layer,
-    Metric,
-    SeedGenerator,
     get_stateless_scope,
-    install_per_thread_attributes,
 )
-from distribute._keras import patch as _patch
-from distribute.tracing import check_ownership
+from distribute import ownership
+from distribute.lifting import LiftingScope, check_ownership
 
-_INSTALLED: list[bool] = []
-_OBJECTS: "weakref.WeakSet[Any]" = weakref.WeakSet()  # optimizers and metrics, to name owners in errors
-
-
-def install() -> None:
-    """Installs the hooks (idempotent)."""
-    if _INSTALLED:
-        return
-    from distribute.keras_support import rnn, trainer
-
-    _patch(JaxVariable, "_initialize_layout", _variable_initialize_layout)
-    _patch(JaxVariable, "_initialize", _variable_initialized)
-    _patch(JaxVariable, "_initialize_with_initializer", _variable_initialized)
-    _patch(BaseOptimizer, "__init__", _optimizer_init)
-    _patch(BaseOptimizer, "apply", _optimizer_apply)
-    _patch(Metric, "__init__", _metric_init)
-    _patch(SeedGenerator, "next", _seed_next)
-    trainer.install()
-    rnn.install()
-    install_per_thread_attributes()
-    _install_activity_regularizer_property(Layer)
-    _patch(BatchNormalization, "__init__", _batch_norm_init)
-    _patch(KerasVariable, "assign_add", _additive)
-    _patch(KerasVariable, "assign_sub", _additive)
-    _patch(BatchNormalization, "_moments", _batch_norm_moments)
-    _patch(KerasVariable, "value", _variable_value)
-    _patch(JAXTrainer, "_get_jax_state", _whole_state)
-    _INSTALLED.append(True)
 
 
 # -- cross-replica reads of a distributed variable ----------------------------------------
@@ -98,7 +60,7 @@ def whole_variable_reads() -> Iterator[None]:
         _WHOLE_READS.reset(token)
 
 
-def _whole_state(original):
+def whole_state(original):
     """``JAXTrainer._get_jax_state`` of a distributed model: the variables' replicated arrays.
 
     Keras' fit / evaluate / predict collect their loop state with ``v.value``;
@@ -115,14 +77,14 @@ def _whole_state(original):
     return _get_jax_state
 
 
-def _variable_value(original):
+def variable_value(original):
     """``Variable.value``: Keras' own, except a cross-replica read of a distributed variable (``_cross_replica_read``)."""
     keras_read = original.fget
 
     def value(self):
-        before_read = self.__dict__.get("_distribute_before_read")
-        if before_read is not None and get_stateless_scope() is None:
-            before_read(self)  # a ParameterServerStrategy variable: its coordinator copy made current (TF reads the ps)
+        placement = self.__dict__.get("_distribute_placement")
+        if placement is not None and get_stateless_scope() is None:
+            placement.before_read(self)  # a ParameterServerStrategy variable: its coordinator copy made current (TF reads the ps)
         current = self._value
         if current is None or get_stateless_scope() is not None:
             # Inside any stateless scope (strategy.run's and fit's programs, Keras'
@@ -140,38 +102,65 @@ def _cross_replica_read(variable: Any, current: Any) -> Any:
     strategy.reduce("SUM", strategy.run(lambda: 2.0), axis=None)`` (4.0, on one
     device): ``v.value`` is the copy on the current device, else the primary copy
     (``MirroredVariable._get_cross_replica``; a SyncOnRead variable's aggregate
-    likewise), so ``v + loss`` is 5.0 on that device.  Here the variable's
-    replicated array gives its buffer on that device (``ReplicaMesh.local_copy``:
-    no transfer), where ``strategy.reduce`` also puts its result; the result of
+    likewise), so ``v + loss`` is 5.0 on that device.  The variable's placement
+    answers (``placement.Replicated.read``: its buffer on that device, no
+    transfer), where ``strategy.reduce`` also puts its result; the result of
     ``v + loss``, ``keras.ops.add(v, loss)``, ``v.assign(v + loss)``,
     ``metric.result() + loss`` is one device's too, as in TF.
 
-    Unchanged (the whole replicated array): inside a replica context (the
+    Unchanged (the whole stored array): inside a replica context (the
     function given to ``strategy.run`` and Keras fit's steps read their variables
     as program inputs; a read there is every replica's own copy), inside
     ``whole_variable_reads`` (state handed to a program), and for variables made
-    outside any mesh strategy's scope.
+    outside any strategy's scope.
     """
-    strategy = variable.__dict__.get("_distribute_strategy")
-    if strategy is None or _WHOLE_READS.get() or _context.current_replica_context() is not None:
+    placement = variable.__dict__.get("_distribute_placement")
+    if placement is None or _WHOLE_READS.get() or _context.current_replica_context() is not None:
         return current
-    mesh = getattr(strategy.extended, "replica_mesh", None)
-    return current if mesh is None else mesh.local_copy(current)
+    return placement.read(variable, current)
 
 
-def _variable_initialize_layout(original):
+def placement_of(variable: Any) -> Any:
+    """``variable``'s placement, asking its strategy the first time (``StrategyExtended.place_variable``).
+
+    The strategy is the one whose scope is active when the variable is created
+    (None outside every scope: a plain Keras variable, no placement).
+    """
+    if "_distribute_placement" in variable.__dict__:
+        return variable.__dict__["_distribute_placement"]
+    strategy = _context.scope_strategy()
+    variable._distribute_strategy = strategy
+    placement = None if strategy is None else strategy.extended.place_variable(variable)
+    variable._distribute_placement = placement
+    return placement
+
+
+def variable_init(original):
+    """``Variable.__init__``: the variable asks its strategy where it lives (if its value did not already)."""
+
+    def __init__(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        placement = placement_of(self)
+        if placement is not None:
+            placement.on_created(self)
+
+    return __init__
+
+
+def variable_initialize_layout(original):
+    """``JaxVariable._initialize_layout``: the value is created with its placement's sharding."""
+
     def _initialize_layout(self):
-        strategy = _context.scope_strategy()
-        self._distribute_strategy = strategy
-        if strategy is not None and self._layout is None:
-            self._layout = strategy.extended.replica_mesh.replicated_sharding
+        placement = placement_of(self)
+        if placement is not None and self._layout is None:
+            self._layout = placement.layout
         return original(self)
 
     return _initialize_layout
 
 
-def _variable_initialized(original):
-    """After a variable's first value is set: a SyncOnRead one's value becomes its copies' aggregate."""
+def variable_initialized(original):
+    """After a variable's first value is set: its placement's ``on_initialized`` (a SyncOnRead value becomes its copies' aggregate)."""
 
     def initialize(self, *args):
         outer = not self.__dict__.get("_distribute_initializing")
@@ -181,25 +170,36 @@ def _variable_initialized(original):
         finally:
             if outer:
                 del self.__dict__["_distribute_initializing"]
-        if outer:
-            sync_on_read.on_created(self)
+        placement = self.__dict__.get("_distribute_placement")
+        if outer and placement is not None:
+            placement.on_initialized(self)
 
     return initialize
 
 
-def _optimizer_init(original):
+def direct_assign(original):
+    """``JaxVariable._direct_assign``: an assignment outside any step is told to the variable's placement."""
+
+    def _direct_assign(self, value):
+        original(self, value)
+        placement = self.__dict__.get("_distribute_placement")
+        if placement is not None:
+            placement.on_assign(self)
+
+    return _direct_assign
+
+
+def optimizer_init(original):
     def __init__(self, *args, **kwargs):
         object.__setattr__(self, "_distribute_strategy", _context.scope_strategy())
-        _OBJECTS.add(self)
+        ownership.register(self)
         return original(self, *args, **kwargs)
 
     return __init__
 
 
-def _optimizer_apply(original):
+def optimizer_apply(original):
     def apply(self, grads, trainable_variables=None):
-        from distribute.tracing import LiftingScope
-
         context = _context.current_replica_context()
         if context is not None and context._in_program:
             strategy = context.strategy
@@ -220,21 +220,19 @@ def _optimizer_apply(original):
     return apply
 
 
-def _metric_init(original):
+def metric_init(original):
     def __init__(self, *args, **kwargs):
         object.__setattr__(self, "_distribute_strategy", _context.scope_strategy())
-        _OBJECTS.add(self)
+        ownership.register(self)
         original(self, *args, **kwargs)
 
     return __init__
 
 
-def _additive(original):
+def additive(original):
     """assign_add / assign_sub: tells run's scope that the write adds to the variable (sum aggregation)."""
 
     def method(self, value):
-        from distribute.tracing import LiftingScope
-
         scope = get_stateless_scope()
         if not isinstance(scope, LiftingScope):
             # Outside any (stateless) scope: the user's cross-replica code.
@@ -270,7 +268,7 @@ def _to_variable_devices(variable: Any, value: Any) -> Any:
     return jax.device_put(value, read.sharding if len(devices) > 1 else next(iter(devices)))
 
 
-def _batch_norm_init(original):
+def batch_norm_init(original):
     def __init__(self, *args, **kwargs):
         synchronized = kwargs.pop("synchronized", False)
         original(self, *args, synchronized=False, **kwargs)
@@ -282,7 +280,7 @@ def _batch_norm_init(original):
     return __init__
 
 
-def _batch_norm_moments(original):
+def batch_norm_moments(original):
     """Moments over every replica's rows for ``synchronized=True`` (TF's SyncBatchNormalization).
 
     As TF: the sum, the sum of squares and the count of the reduced elements are
@@ -328,8 +326,8 @@ def _batch_norm_moments(original):
     return _moments
 
 
-def _install_activity_regularizer_property(layer_cls: type) -> None:
-    """``Layer.activity_regularizer`` becomes a property that rescales its loss in uneven steps."""
+def activity_regularizer_property(_original: Any) -> property:
+    """``Layer.activity_regularizer`` (an instance attribute in Keras) as a property that rescales its loss in uneven steps."""
 
     def get(self):
         regularizer = self.__dict__.get("_distribute_activity_regularizer")
@@ -343,7 +341,7 @@ def _install_activity_regularizer_property(layer_cls: type) -> None:
     def set(self, value):
         self.__dict__["_distribute_activity_regularizer"] = value
 
-    layer_cls.activity_regularizer = property(get, set)
+    return property(get, set)
 
 
 class _RescaledRegularizer:
@@ -365,7 +363,7 @@ class _RescaledRegularizer:
         return loss
 
 
-def _seed_next(original):
+def seed_next(original):
     def next(self, ordered=True):
         seed = original(self, ordered=ordered)
         context = _context.current_replica_context()
@@ -376,55 +374,3 @@ def _seed_next(original):
         return seed + jnp.stack([replica * jnp.asarray(0x9E3779B1 % (2**31), seed.dtype), jnp.zeros((), seed.dtype)])
 
     return next
-
-
-def describe_object(obj: Any) -> str:
-    kind = "metric" if isinstance(obj, Metric) else "optimizer"
-    return f"{kind} '{type(obj).__name__}' (name {getattr(obj, 'name', '?')!r})"
-
-
-def _owner(variable: Any) -> Any:
-    """The most specific optimizer or metric holding ``variable`` (a user's metric, not Keras' MetricsList)."""
-    owners = []
-    for obj in list(_OBJECTS):
-        try:
-            owned = obj.variables
-        except Exception:  # noqa: BLE001 - an object mid-construction
-            continue
-        if any(v is variable for v in owned):
-            # Fewest variables first; on a tie, not one of Keras' compile containers (CompileMetrics, MetricsList).
-            owners.append((len(owned), type(obj).__module__.startswith("keras.src.trainers"), id(obj), obj))
-    return min(owners, key=lambda entry: entry[:3])[3] if owners else None
-
-
-def describe_owner(variable: Any) -> str:
-    """Names the optimizer or metric that owns ``variable``, else the variable itself."""
-    owner = _owner(variable)
-    return describe_object(owner) if owner is not None else f"Keras variable '{variable.path}' (of a layer or model)"
-
-
-def ownership_error(strategy: Any, variable: Any) -> ValueError:
-    """The error for ``variable`` used with ``strategy`` but not made in its scope; names the user's object."""
-    owner = _owner(variable)
-    what = describe_object(owner) if owner is not None else f"Keras variable '{variable.path}' (of a layer or model)"
-    where = getattr(variable, "_distribute_strategy", None)
-    made_in = getattr(owner, "_distribute_strategy", None) if owner is not None else None
-    if where is None and made_in is strategy:
-        if what.startswith("optimizer"):
-            verb, fix = "built", "`with strategy.scope(): optimizer.build(model.trainable_variables)` (or let its first apply_gradients inside strategy.run / model.fit build it)"
-        else:
-            verb, fix = "first used (its variables were created)", "call update_state for the first time inside the scope or inside strategy.run"
-        return ValueError(
-            f"{what} was created inside {strategy!r}'s scope, but {verb} outside it: its variable "
-            f"'{variable.path}' was created outside any strategy.scope(). Build it inside the scope too: {fix}."
-        )
-    if where is None:
-        return ValueError(
-            f"{what} was created outside any strategy.scope() and is used with {strategy!r} "
-            "(strategy.run, model.fit or ClusterCoordinator.schedule). Create models, optimizers and metrics inside the scope: "
-            "`with strategy.scope(): model = ...; optimizer = ...`."
-        )
-    return ValueError(
-        f"{what} belongs to {where!r} (it was created in that scope) and is used with {strategy!r}. "
-        "Use each model, optimizer and metric with the strategy whose scope created it."
-    )

@@ -17,21 +17,18 @@ from typing import Any, Callable
 import jax
 
 from distribute import _context
-from distribute._keras import keras_backend, patch
 
 # backend function -> positions of its initial-state arguments
 _STATE_ARGUMENTS = {"rnn": (2,), "lstm": (1, 2), "gru": (1,)}
 _STATE_KEYWORDS = {"rnn": ("initial_states",), "lstm": ("initial_state_h", "initial_state_c"), "gru": ("initial_state",)}
 
 
-def install() -> None:
-    """Patches ``keras.src.backend``'s ``rnn``, ``lstm`` and ``gru`` (what Keras' RNN layers call)."""
-    for name, positions in _STATE_ARGUMENTS.items():
-        patch(keras_backend, name, lambda original, p=positions, k=_STATE_KEYWORDS[name]: _per_replica_states(
-            original, p, k))
+def per_replica_states_of(name: str) -> Callable[[Callable], Callable]:
+    """The ``Patch.wrap`` of backend function ``name`` (``rnn``, ``lstm`` or ``gru``)."""
+    return lambda original: per_replica_states(original, _STATE_ARGUMENTS[name], _STATE_KEYWORDS[name])
 
 
-def _per_replica_states(original: Callable, positions: tuple, keywords: tuple) -> Callable:
+def per_replica_states(original: Callable, positions: tuple, keywords: tuple) -> Callable:
     def call(*args: Any, **kwargs: Any) -> Any:
         context = _context.current_replica_context()
         if context is None:
