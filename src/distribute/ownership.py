@@ -1,7 +1,7 @@
 """Who owns a Keras variable, and the error for one used with a strategy that did not make it.
 
 Optimizers and metrics created while a strategy may be active register here
-(``keras_support/hooks.py``), so an error about one of their variables names the
+(``keras_support/optimizers.py``), so an error about one of their variables names the
 user's object ("optimizer 'Adam' was created outside strategy.scope() ...")
 rather than an internal variable path.
 """

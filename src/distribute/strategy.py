@@ -15,8 +15,10 @@ The mesh strategies (Mirrored, MultiWorkerMirrored, TPU, OneDevice, the default
 strategy) implement it once, on an engine over a one-axis device mesh
 (``mesh_strategy.py``); ParameterServerStrategy implements it on Ray
 (``parameter_server/strategy.py``). A new strategy plugs in the same way,
-without editing this base (``tests/test_strategy_interface.py`` has one in 40
-lines).
+without editing this base, and installs the Keras integration when it is built
+(``keras_support.patches.install_core()``: Keras variables made in its scope then
+ask its ``place_variable``); ``tests/test_strategy_interface.py`` has one in 40
+lines.
 """
 
 from __future__ import annotations

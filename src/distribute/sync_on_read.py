@@ -8,7 +8,7 @@ aggregation="sum")``:
 * each replica's copy starts at the initial value (1.0, 1.0): a cross-replica read
   (``var.numpy()``, ``var.value``, ``float(var)``, inside or outside the scope)
   gives their aggregate, 2.0 (``"mean"``: 1.0; ``"only_first_replica"``:
-  replica 0's copy), as one device's array (``keras_support/hooks.py``,
+  replica 0's copy), as one device's array (``keras_support/variables.py``,
   ``_cross_replica_read``): ``var + strategy.reduce(...)`` works, as in TF;
 * inside ``strategy.run`` each replica reads and assigns its own copy; after the
   step the cross-replica value is the aggregate of the new copies (replica

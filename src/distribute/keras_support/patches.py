@@ -41,9 +41,10 @@ from distribute._keras import (
     per_thread,
 )
 from distribute.data.keras_adapter import GET_DATA_ADAPTER
-import distribute.keras_support.hooks as hooks
+import distribute.keras_support.layers as layers
+import distribute.keras_support.optimizers as optimizers
+import distribute.keras_support.variables as variables
 import distribute.keras_support.ps_hooks as ps_hooks
-import distribute.keras_support.rnn as rnn
 import distribute.keras_support.saving as saving
 import distribute.keras_support.trainer as trainer
 
@@ -59,60 +60,60 @@ _EVALUATE = ("(self, x=None, y=None, batch_size=None, verbose='auto', sample_wei
 _PREDICT = "(self, x, batch_size=None, verbose='auto', steps=None, callbacks=None)"
 
 CORE: tuple[Patch, ...] = (
-    # -- variables: placement, cross-replica reads, SyncOnRead copies (hooks.py) --
-    Patch(KerasVariable, "__init__", hooks.variable_init,
+    # -- variables: placement, cross-replica reads, SyncOnRead copies (variables.py) --
+    Patch(KerasVariable, "__init__", variables.variable_init,
           "(self, initializer, shape=None, dtype=None, trainable=True, autocast=True, aggregation='none', "
           "synchronization='auto', name=None, layout=None, **kwargs)",
           "a variable made in scope asks its strategy where it lives (extended.place_variable), once"),
-    Patch(JaxVariable, "_initialize_layout", hooks.variable_initialize_layout, _SELF,
+    Patch(JaxVariable, "_initialize_layout", variables.variable_initialize_layout, _SELF,
           "its value is created with its placement's sharding"),
-    Patch(JaxVariable, "_initialize", hooks.variable_initialized, _VALUE,
+    Patch(JaxVariable, "_initialize", variables.variable_initialized, _VALUE,
           "a SyncOnRead variable's first value becomes its copies' aggregate"),
-    Patch(JaxVariable, "_initialize_with_initializer", hooks.variable_initialized, "(self, initializer)",
+    Patch(JaxVariable, "_initialize_with_initializer", variables.variable_initialized, "(self, initializer)",
           "the same, for a variable initialized by an initializer"),
-    Patch(KerasVariable, "value", hooks.variable_value, _SELF,
+    Patch(KerasVariable, "value", variables.variable_value, _SELF,
           "a read in cross-replica context is one device's copy, as TF's _get_cross_replica"),
-    Patch(KerasVariable, "assign_add", hooks.additive, _VALUE,
+    Patch(KerasVariable, "assign_add", variables.additive, _VALUE,
           "an add inside run counts once per replica for sum aggregation; a cross-replica add moves its delta"),
-    Patch(KerasVariable, "assign_sub", hooks.additive, _VALUE, "the same, for assign_sub"),
-    Patch(JaxVariable, "_direct_assign", hooks.direct_assign, _VALUE,
+    Patch(KerasVariable, "assign_sub", variables.additive, _VALUE, "the same, for assign_sub"),
+    Patch(JaxVariable, "_direct_assign", variables.direct_assign, _VALUE,
           "an assignment outside any step is told to the placement (a ps pushes it)"),
     # -- optimizers, metrics, random numbers --
-    Patch(BaseOptimizer, "__init__", hooks.optimizer_init,
+    Patch(BaseOptimizer, "__init__", optimizers.optimizer_init,
           "(self, learning_rate, weight_decay=None, clipnorm=None, clipvalue=None, global_clipnorm=None, "
           "use_ema=False, ema_momentum=0.99, ema_overwrite_frequency=None, loss_scale_factor=None, "
           "gradient_accumulation_steps=None, name=None, **kwargs)",
           "an optimizer remembers the scope it was made in"),
-    Patch(BaseOptimizer, "apply", hooks.optimizer_apply, "(self, grads, trainable_variables=None)",
+    Patch(BaseOptimizer, "apply", optimizers.optimizer_apply, "(self, grads, trainable_variables=None)",
           "inside run the gradients are summed across replicas first, as TF's apply_gradients"),
-    Patch(Metric, "__init__", hooks.metric_init, "(self, dtype=None, name=None)",
+    Patch(Metric, "__init__", optimizers.metric_init, "(self, dtype=None, name=None)",
           "a metric remembers the scope it was made in"),
-    Patch(SeedGenerator, "next", hooks.seed_next, "(self, ordered=True)",
+    Patch(SeedGenerator, "next", optimizers.seed_next, "(self, ordered=True)",
           "each replica draws its own random numbers (Dropout masks differ, as TF)"),
     # -- layers --
-    Patch(BatchNormalization, "__init__", hooks.batch_norm_init,
+    Patch(BatchNormalization, "__init__", layers.batch_norm_init,
           "(self, axis=-1, momentum=0.99, epsilon=0.001, center=True, scale=True, beta_initializer='zeros', "
           "gamma_initializer='ones', moving_mean_initializer='zeros', moving_variance_initializer='ones', "
           "beta_regularizer=None, gamma_regularizer=None, beta_constraint=None, gamma_constraint=None, renorm=False, "
           "renorm_clipping=None, renorm_momentum=0.99, synchronized=False, **kwargs)",
           "synchronized=True is accepted on JAX (TF's SyncBatchNormalization)"),
-    Patch(BatchNormalization, "_moments", hooks.batch_norm_moments, "(self, inputs, mask)",
+    Patch(BatchNormalization, "_moments", layers.batch_norm_moments, "(self, inputs, mask)",
           "synchronized moments over every replica's rows; an empty replica's moments are not NaN"),
-    Patch(Layer, "activity_regularizer", hooks.activity_regularizer_property, None,
+    Patch(Layer, "activity_regularizer", layers.activity_regularizer_property, None,
           "an activity loss of an uneven step is divided by the global batch's rows"),
     Patch(Layer, "_losses", per_thread("_losses", list), None, "a call's losses, per replica thread"),
     Patch(Layer, "_loss_ids", per_thread("_loss_ids", set), None, "the same, their ids"),
     Patch(Layer, "_losses_override", per_thread("_losses_override", list), None,
           "the forward pass's losses handed to compute_loss, per replica thread"),
-    Patch(keras_backend, "rnn", rnn.per_replica_states_of("rnn"),
+    Patch(keras_backend, "rnn", layers.per_replica_states_of("rnn"),
           "(step_function, inputs, initial_states, go_backwards=False, mask=None, constants=None, unroll=False, "
           "input_length=None, time_major=False, zero_output_for_mask=False, return_all_outputs=True)",
           "recurrent layers start their scan from per-replica states"),
-    Patch(keras_backend, "lstm", rnn.per_replica_states_of("lstm"),
+    Patch(keras_backend, "lstm", layers.per_replica_states_of("lstm"),
           "(inputs, initial_state_h, initial_state_c, mask, kernel, recurrent_kernel, bias, activation, "
           "recurrent_activation, return_sequences=False, go_backwards=False, unroll=False)",
           "the same, for the fused LSTM"),
-    Patch(keras_backend, "gru", rnn.per_replica_states_of("gru"),
+    Patch(keras_backend, "gru", layers.per_replica_states_of("gru"),
           "(inputs, initial_state, mask, kernel, recurrent_kernel, bias, activation, recurrent_activation, "
           "return_sequences=False, go_backwards=False, unroll=False, reset_after=True)",
           "the same, for the fused GRU"),
@@ -133,7 +134,7 @@ CORE: tuple[Patch, ...] = (
           "a distributed model's train step runs on every replica (the engine's programs)"),
     Patch(JAXTrainer, "make_test_function", trainer.routed_to("test"), _FORCE, "the same, for the test step"),
     Patch(JAXTrainer, "make_predict_function", trainer.routed_to("predict"), _FORCE, "the same, for the predict step"),
-    Patch(JAXTrainer, "_get_jax_state", hooks.whole_state,
+    Patch(JAXTrainer, "_get_jax_state", variables.whole_state,
           "(self, trainable_variables=False, non_trainable_variables=False, optimizer_variables=False, "
           "metrics_variables=False, purge_model_variables=False)",
           "fit's loop state is the variables' replicated arrays (no cross-replica copy)"),
