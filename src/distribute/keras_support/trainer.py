@@ -71,7 +71,7 @@ def untracked_loop_state(original):
 
 def _listens(callbacks: list, kind: str) -> bool:
     """Whether any callback overrides the ``on_<kind>batch_end`` hook (or ``on_batch_end`` for train)."""
-    names = (f"on_{kind}batch_end", "on_batch_end") if kind == "train" else (f"on_{kind}batch_end",)
+    names = (f"on_{kind}_batch_end", "on_batch_end") if kind == "train" else (f"on_{kind}_batch_end",)
     return any(not getattr(getattr(c, n, None), "_is_default", False) for c in callbacks for n in names)
 
 
