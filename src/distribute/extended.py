@@ -19,6 +19,7 @@ from distribute.values import ReduceOp
 
 if TYPE_CHECKING:  # pragma: no cover
     from distribute.placement import Placement
+    from distribute.runtime.workers import MultiWorkerRuntime
     from distribute.strategy import Strategy
 
 
@@ -28,6 +29,10 @@ class StrategyExtended(abc.ABC):
     Args:
         strategy: the strategy this is the extended half of.
     """
+
+    # The cross-worker runtime of a synchronous multi-worker strategy (``runtime/workers.py``:
+    # the cluster, bounded exchanges between workers); None for a strategy of one process.
+    runtime: "MultiWorkerRuntime | None" = None
 
     def __init__(self, strategy: "Strategy"):
         self._container_strategy = strategy

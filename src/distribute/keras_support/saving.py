@@ -38,7 +38,9 @@ def write_filepath(filepath: str, cluster: Any) -> str:
 def _cluster_of(model: Any) -> Any:
     from distribute.checkpoint._state import strategy_of
 
-    cluster = getattr(strategy_of(list(model.variables)), "_cluster_info", None)
+    strategy = strategy_of(list(model.variables))
+    runtime = None if strategy is None else strategy.extended.runtime
+    cluster = None if runtime is None else runtime.cluster
     return cluster if cluster is not None and cluster.num_workers > 1 else None
 
 
