@@ -455,7 +455,7 @@ def _port_is_free(port: int) -> bool:
 def test_service_process_listens_refuses_a_busy_port_by_name_and_shuts_down():
     import socket
 
-    from distribute._coordination_service import ServiceProcess
+    from distribute.runtime.service import ServiceProcess
     from distribute.launch import free_ports
 
     port = free_ports(1)[0]
@@ -505,7 +505,7 @@ def test_the_chief_dying_without_the_launcher_names_it_and_its_service_ends(tmp_
     assert _names_the_chief(out1, cluster["worker"][0]) and "Terminating process" not in out1, out1[-3000:]
     # The service still serves (it lingers timeout + 5 s for the survivors); relaunching worker 0 by hand with the
     # same TF_CONFIG ends it and starts a fresh one on the port.
-    from distribute._coordination_service import ServiceProcess
+    from distribute.runtime.service import ServiceProcess
 
     service = ServiceProcess(chief_port, 2, heartbeat_timeout=10, shutdown_timeout=2, linger_seconds=1, start_timeout_seconds=30)
     service.shutdown()
@@ -517,7 +517,7 @@ def test_service_process_outlives_its_parent_for_the_linger_period_then_ends():
 
     port = free_ports(1)[0]
     parent = subprocess.run([sys.executable, "-c", (
-        "import os, sys; from distribute._coordination_service import ServiceProcess; "
+        "import os, sys; from distribute.runtime.service import ServiceProcess; "
         f"s = ServiceProcess({port}, 2, 10, 2, linger_seconds=2, start_timeout_seconds=30); print(s.pid); os._exit(0)")],
         env={**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parents[1] / "src"), os.environ.get("PYTHONPATH", "")])},
         capture_output=True, text=True, timeout=60)

@@ -142,13 +142,8 @@ def _custom_aggregation(distribution, grads_fn):
     return [np.asarray(x).tolist() for x in optimize()]
 
 
-@pytest.mark.xfail(strict=True, raises=ValueError, reason=(
-    "distribute.PerReplica([a, b]) built outside strategy.scope() binds to the default strategy "
-    "(1 replica) and raises 'PerReplica got 2 values but the current strategy has 1 local replicas'; "
-    "TF's PerReplica is plain data bound by the run it is given to, and the test gives "
-    "[[-0.3, -0.3], [-0.3, -0.3]]. Remedy: let a PerReplica made outside any scope keep its values and "
-    "be placed by the strategy whose run/reduce receives it."))
 def test_custom_aggregation_per_replica_built_outside_scope():
+    """TF's PerReplica is plain data placed by the run it is given to: built outside any scope, it works."""
     got = _custom_aggregation(mirrored(2), lambda: distribute.PerReplica([
         jnp.asarray([1., 1.]), jnp.asarray([2., 2.])]))
     np.testing.assert_allclose(got, [[-0.3, -0.3], [-0.3, -0.3]], rtol=1e-6)
@@ -159,7 +154,7 @@ def test_custom_aggregation_aggregates_gradients():
     distribution = mirrored(2)
 
     def grads():
-        with distribution.scope():  # added: see the xfail above
+        with distribution.scope():  # built inside the scope: placed at once
             return distribute.PerReplica([jnp.asarray([1., 1.]), jnp.asarray([2., 2.])])
 
     np.testing.assert_allclose(TF["custom_aggregation"]["None"], [[-0.3, -0.3], [-0.3, -0.3]], rtol=1e-6)

@@ -21,7 +21,7 @@ takes the variable list before the forward pass); ``nested_tf_functions`` gives 
 (a Keras 3 optimizer is bound to the variables it first updates).
 
 Found by this port (fixed): every Keras RNN layer failed inside ``run`` and ``fit`` under any strategy
-(keras_support/rnn.py, lifting.py); ``compute_gradients`` refused a per-example loss vector and the
+(keras_support/layers.py, lifting.py); ``compute_gradients`` refused a per-example loss vector and the
 integer seed state in an LSTM's ``model.variables`` (tape.gradient sums the target and gives None).
 
 Not ported: test_batch_norm_with_dynamic_batch (zeros in and out: per-replica batch statistics

@@ -319,7 +319,7 @@ def test_30513_recurrent_model_fit_under_mirrored_strategy_equals_one_device(lay
 
     Every recurrent layer failed here in fit and run under any strategy ("scan body function carry
     input and carry output must have equal types"; GRU: "Context mesh ... should match the mesh of
-    sharding"), fixed in keras_support/rnn.py and lifting.py."""
+    sharding"), fixed in keras_support/layers.py and lifting.py."""
     rng = np.random.default_rng(0)
     x = (rng.integers(100, size=(62, 10, 4)) / 100).astype(np.float32)
     y = rng.integers(2, size=(62,)).astype(np.int32)

@@ -51,10 +51,10 @@ _EXPORTS = {
     "ReplicaContext": "distribute.replica",
     "RunOptions": "distribute.spmd",
     "Strategy": "distribute.strategy",
-    "StrategyExtended": "distribute.strategy",
+    "StrategyExtended": "distribute.extended",
     "ValueContext": "distribute.strategy",
-    "get_replica_context": "distribute.strategy",
-    "get_strategy": "distribute.strategy",
+    "get_replica_context": "distribute.default",
+    "get_strategy": "distribute.default",
     "has_strategy": "distribute.strategy",
     "in_cross_replica_context": "distribute.strategy",
 }

@@ -3,7 +3,7 @@
 Three situations, as in tf.distribute:
 
 * no strategy scope entered: the default strategy is current and the code runs
-  in its (only) replica context;
+  in its (only) replica context (``default.py`` finds it: the state holds None);
 * inside ``strategy.scope()`` and outside ``strategy.run``: cross-replica context;
 * inside the function given to ``strategy.run``: replica context.
 """
@@ -29,24 +29,6 @@ class _State:
 _STATE: contextvars.ContextVar[_State] = contextvars.ContextVar(
     "distribute_state", default=_State()
 )
-
-
-_DEFAULT_STRATEGY: list = []  # a factory, registered by strategy.py (which sits above this module)
-
-
-def register_default_strategy(factory) -> None:
-    """Registers the function that returns the default strategy (called once, by strategy.py)."""
-    _DEFAULT_STRATEGY[:] = [factory]
-
-
-def current_strategy() -> "Strategy":
-    """The strategy whose scope is active, else the default strategy (``distribute.get_strategy``)."""
-    strategy = _STATE.get().strategy
-    if strategy is not None:
-        return strategy
-    if not _DEFAULT_STRATEGY:
-        import distribute.strategy  # noqa: F401 - registers the default strategy
-    return _DEFAULT_STRATEGY[0]()
 
 
 def state() -> _State:
@@ -96,9 +78,8 @@ class enter_scope:
 
 @contextlib.contextmanager
 def enter_replica(strategy: "Strategy", replica_context: "ReplicaContext") -> Iterator[None]:
-    # The default strategy's replica context is not a strategy scope (has_strategy() stays False).
-    scoped = None if getattr(strategy, "_is_default", False) else strategy
-    token = _STATE.set(_State(strategy=scoped, replica_context=replica_context))
+    """Replica context of ``strategy`` (inside ``run``); the default strategy's is no scope (``has_strategy()`` stays False)."""
+    token = _STATE.set(_State(strategy=strategy.scope_in_replica(), replica_context=replica_context))
     try:
         yield
     finally:

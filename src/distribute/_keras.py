@@ -25,12 +25,10 @@ from typing import Any, Callable
 
 import keras
 
+# The Keras this seam was written against (pyproject pins it). Another version is not refused
+# here: tests/test_keras_seam.py checks every patched attribute and its signature instead, so an
+# upgrade fails in one named test, not at import.
 SUPPORTED_KERAS = ("3.15",)
-if not keras.__version__.startswith(SUPPORTED_KERAS):  # pragma: no cover - pinned in pyproject
-    raise ImportError(
-        f"distribute supports Keras {', '.join(SUPPORTED_KERAS)}.x, found {keras.__version__}; "
-        "install a supported version: pip install 'keras>=3.15,<3.16'."
-    )
 
 from keras.src import backend as keras_backend  # noqa: E402
 from keras.src import tree  # noqa: E402
@@ -53,33 +51,64 @@ from keras.src.utils import rng_utils  # noqa: E402
 
 __all__ = [
     "BaseOptimizer", "BatchNormalization", "DataAdapter", "JAXTrainer", "JaxVariable", "KerasVariable", "Layer",
-    "Metric", "PATCHED", "SeedGenerator", "StatelessScope", "Trainer", "copy_thread_state", "data_adapter_utils",
-    "data_adapters", "get_stateless_scope", "global_state", "initialize_all_variables", "install_per_thread_attributes",
-    "keras_backend", "patch", "rng_utils", "tree",
+    "Metric", "Patch", "SeedGenerator", "StatelessScope", "Trainer", "copy_thread_state", "data_adapter_utils",
+    "data_adapters", "get_stateless_scope", "global_state", "initialize_all_variables", "install", "installed",
+    "keras_backend", "per_thread", "rng_utils", "tree",
 ]
 
-# (owner, attribute) of every patch this package makes, filled by ``patch``.
-PATCHED: list[tuple[Any, str]] = []
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Patch:
+    """One replacement of a Keras attribute: a row of ``keras_support/patches.py``'s table.
+
+    Attributes:
+        owner: the Keras class or module.
+        attribute: the attribute's name.
+        wrap: ``wrap(original) -> replacement`` (the original is Keras' attribute, or
+            the replacement an earlier row made of it).
+        signature: ``str(inspect.signature(original))`` of Keras' own attribute as this
+            package was written against (Keras 3.15), checked by the seam test; None
+            for an instance attribute (set in ``__init__``, not on the class).
+        why: one line: what the replacement does.
+    """
+
+    owner: Any
+    attribute: str
+    wrap: Callable[[Any], Any]
+    signature: str | None
+    why: str
 
 
-def patch(owner: Any, name: str, make: Callable[[Any], Any]) -> None:
-    """Replaces ``owner.name`` by ``make(original)`` (keeping its name and docstring).
+_INSTALLED: list[Patch] = []  # in installation order
+
+
+def install(rows: "tuple[Patch, ...] | list[Patch]") -> None:
+    """Installs each row not installed yet, in order (idempotent, process-wide).
 
     Raises:
-        AttributeError: this Keras has no ``owner.name`` (the seam needs updating
-            for a new Keras version).
+        AttributeError: this Keras has no such class attribute (the seam needs
+            updating for a new Keras version).
     """
-    original = getattr(owner, name, None)
-    if original is None:
-        raise AttributeError(
-            f"Keras {keras.__version__} has no {getattr(owner, '__name__', owner)}.{name}, which distribute "
-            f"patches; install a supported Keras ({', '.join(SUPPORTED_KERAS)}.x)."
-        )
-    wrapper = make(original)
-    if callable(wrapper) and callable(original):
-        functools.update_wrapper(wrapper, original)
-    setattr(owner, name, wrapper)
-    PATCHED.append((owner, name))
+    for row in rows:
+        if any(row is done for done in _INSTALLED):
+            continue
+        original = row.owner.__dict__.get(row.attribute) if isinstance(row.owner, type) else None
+        original = original if original is not None else getattr(row.owner, row.attribute, None)
+        if original is None and row.signature is not None:
+            raise AttributeError(
+                f"Keras {keras.__version__} has no {getattr(row.owner, '__name__', row.owner)}.{row.attribute}, which "
+                f"distribute patches; install a supported Keras ({', '.join(SUPPORTED_KERAS)}.x)."
+            )
+        replacement = row.wrap(original)
+        if callable(replacement) and callable(original) and not isinstance(replacement, type):
+            functools.update_wrapper(replacement, original)
+        setattr(row.owner, row.attribute, replacement)
+        _INSTALLED.append(row)
+
+
+def installed() -> tuple:
+    """The rows installed so far, in order."""
+    return tuple(_INSTALLED)
 
 
 # Per-thread Keras attributes that belong to the thread's own call in progress.
@@ -134,12 +163,10 @@ class _PerThread:
         self._values()[obj] = value
 
 
-_PER_THREAD_LAYER_ATTRIBUTES = {"_losses": list, "_loss_ids": set, "_losses_override": list}
+def per_thread(name: str, make_default: Callable[[], Any]) -> Callable[[Any], _PerThread]:
+    """A ``Patch.wrap`` that makes instance attribute ``name`` per thread (``make_default()`` on first read)."""
 
+    def wrap(_original: Any) -> _PerThread:
+        return _PerThread(name, make_default)
 
-def install_per_thread_attributes() -> None:
-    """Makes the per-call loss attributes of Keras layers per thread (idempotent)."""
-    for name, make_default in _PER_THREAD_LAYER_ATTRIBUTES.items():
-        if not isinstance(Layer.__dict__.get(name), _PerThread):
-            setattr(Layer, name, _PerThread(name, make_default))
-            PATCHED.append((Layer, name))
+    return wrap

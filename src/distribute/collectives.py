@@ -187,12 +187,12 @@ def shapes_everywhere(strategy: Any, columns: list[list], what: str) -> list[lis
     """Per leaf, every replica's ``(shape, dtype)`` in the job, in replica order.
 
     With several workers they are exchanged through the coordination service
-    first (``MultiWorkerExtended._agree_on_shapes``), so a mismatch between
+    first (``MultiWorkerExtended.agree_on_shapes``), so a mismatch between
     workers raises the same ValueError on every worker instead of reaching a
     device collective (gloo aborts a process on mismatched sizes).
     """
     local = [[[list(jnp.shape(v)), str(jnp.result_type(v))] for v in col] for col in columns]
-    per_worker = [local] if jax.process_count() == 1 else strategy.extended._agree_on_shapes(local, what)
+    per_worker = [local] if jax.process_count() == 1 else strategy.extended.agree_on_shapes(local, what)
     return [[(tuple(shape), dtype) for worker in per_worker for shape, dtype in worker[i]] for i in range(len(columns))]
 
 

@@ -93,7 +93,13 @@ class _XlaReduction(CrossDeviceOps):
     """Every concrete TF reduction here: XLA's all-reduce over the strategy's mesh."""
 
     def reduce_implementation(self, reduce_op: ReduceOp, per_replica_value: Any, destinations: Any, options: Any) -> Any:
-        strategy = per_replica_value._strategy
+        strategy = per_replica_value._strategy or _strategy_of(destinations)
+        if strategy is None:
+            raise ValueError(
+                f"{type(self).__name__}.reduce got a {type(per_replica_value).__name__} built outside any strategy's "
+                "scope and destinations of no strategy; build the value inside strategy.scope() (or pass "
+                "destinations from the strategy, e.g. a PerReplica of it)."
+            )
         reduced = strategy.reduce(reduce_op, per_replica_value, axis=None)
         if isinstance(destinations, (str, jax.Device)):
             return reduced
@@ -149,6 +155,7 @@ class ReductionToOneDevice(_XlaReduction):
 
 
 def _strategy_of(destinations: Any) -> Any:
-    if isinstance(destinations, DistributedValues):
+    """The strategy of ``destinations`` (a distributed value), else the one whose scope is active (None: no scope)."""
+    if isinstance(destinations, DistributedValues) and destinations._strategy is not None:
         return destinations._strategy
-    return _context.current_strategy()
+    return _context.scope_strategy()

@@ -15,7 +15,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
-from distribute import sync_on_read
+from distribute import ownership, sync_on_read
 from distribute._keras import KerasVariable, StatelessScope
 from distribute.values import DistributedValues, Mirrored
 
@@ -137,12 +137,11 @@ def as_output(x: Any) -> jax.Array:
 
 
 def check_ownership(strategy, variables: list) -> None:
-    """Raises the ValueError of ``keras_support.hooks.ownership_error`` for the first variable not made in ``strategy``'s scope."""
-    from distribute.keras_support.hooks import ownership_error
-
+    """Raises ``ownership.ownership_error`` for the first variable not made in ``strategy``'s scope
+    (``extended.variable_created_in_scope``)."""
     for var in variables:
-        if not strategy.extended._owns(var):
-            raise ownership_error(strategy, var)
+        if not strategy.extended.variable_created_in_scope(var):
+            raise ownership.ownership_error(strategy, var)
 
 
 def function_key(fn: Callable) -> Any:

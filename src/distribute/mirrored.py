@@ -7,7 +7,8 @@ from typing import Any, Sequence
 
 import jax
 
-from distribute.strategy import Strategy
+from distribute.keras_support import patches
+from distribute.mesh_strategy import MeshStrategy
 
 _DEVICE_RE = re.compile(
     r"^(?:/job:[^/]+)?(?:/replica:\d+)?(?:/task:\d+)?/?(?:device:)?(?P<kind>[A-Za-z]+):(?P<index>\d+)$"
@@ -78,7 +79,7 @@ def _resolve_one(device: Any) -> jax.Device:
     return candidates[index]
 
 
-class MirroredStrategy(Strategy):
+class MirroredStrategy(MeshStrategy):
     """Synchronous training on the devices of one machine (tf.distribute.MirroredStrategy).
 
     One replica per device; variables created in ``scope()`` are mirrored on every
@@ -98,14 +99,12 @@ class MirroredStrategy(Strategy):
     """
 
     def __init__(self, devices: Sequence[Any] | None = None, cross_device_ops: Any = None):
-        from distribute.keras_support.hooks import install
-
-        install()
+        patches.install_core()
         super().__init__(default_devices() if devices is None else resolve_devices(devices))
         self._cross_device_ops = cross_device_ops
 
 
-class OneDeviceStrategy(Strategy):
+class OneDeviceStrategy(MeshStrategy):
     """Everything on one device (tf.distribute.OneDeviceStrategy).
 
     Args:
@@ -116,7 +115,5 @@ class OneDeviceStrategy(Strategy):
     """
 
     def __init__(self, device: Any):
-        from distribute.keras_support.hooks import install
-
-        install()
+        patches.install_core()
         super().__init__(resolve_devices([device]))

@@ -34,11 +34,14 @@ from typing import Any, Iterator
 import jax
 import numpy as np
 
-from distribute._coordination import WorkerLostError  # noqa: F401  (raised by the strategy; public here)
-from distribute._coordination import _agree_on_seed, _Cluster, _Exchange, _join, _read_cluster
+from distribute.runtime.cluster import Cluster
+from distribute.runtime.exchange import Exchange
+from distribute.runtime.exits import WorkerLostError  # noqa: F401  (raised by the strategy; public here)
+from distribute.runtime.workers import MultiWorkerRuntime
 from distribute.cluster import _env
 from distribute.input.policy import InputPolicy
-from distribute.strategy import Strategy, StrategyExtended
+from distribute.keras_support import patches
+from distribute.mesh_strategy import MeshExtended, MeshStrategy
 
 DEFAULT_TIMEOUT_SECONDS = 300.0
 logger = logging.getLogger("distribute")
@@ -97,7 +100,7 @@ class MultiWorkerInputPolicy(InputPolicy):
     """Input across workers: sharding by ``AutoShardPolicy``, every global batch split over all
     workers' replicas, and agreement on unseeded shuffles' seeds and on end-of-data at each step."""
 
-    def __init__(self, replica_mesh: Any, cluster: _Cluster, exchange: "_Exchange | None"):
+    def __init__(self, replica_mesh: Any, cluster: Cluster, exchange: Exchange | None):
         super().__init__(replica_mesh)
         self._cluster = cluster
         self._exchange = exchange
@@ -264,14 +267,15 @@ class MultiWorkerInputPolicy(InputPolicy):
             yield stacked, treedef, (None if rows and bool(np.all(lengths == rows)) else lengths)
 
 
-class MultiWorkerExtended(StrategyExtended):
+class MultiWorkerExtended(MeshExtended):
     """StrategyExtended over all workers' devices; see :class:`MultiWorkerMirroredStrategy`."""
 
-    def __init__(self, strategy: "MultiWorkerMirroredStrategy", devices: Any, cluster: _Cluster, exchange: "_Exchange | None"):
+    def __init__(self, strategy: "MultiWorkerMirroredStrategy", devices: Any, runtime: MultiWorkerRuntime):
         super().__init__(strategy, devices)
-        self._cluster = cluster
-        self._exchange = exchange
-        self.input_policy = MultiWorkerInputPolicy(self.replica_mesh, cluster, exchange)
+        self.runtime = runtime
+        self._cluster = runtime.cluster
+        self._exchange = runtime.exchange
+        self.input_policy = MultiWorkerInputPolicy(self.replica_mesh, runtime.cluster, runtime.exchange)
         self._tf_config = _env.Watch(_env.TF_CONFIG)  # as the strategy read it; checked at every step
 
     def record_dispatch(self, outputs: Any) -> None:
@@ -311,7 +315,7 @@ class MultiWorkerExtended(StrategyExtended):
     def experimental_should_init(self) -> bool:
         return True
 
-    def _agree_on_shapes(self, local: list, what: str) -> list:
+    def agree_on_shapes(self, local: list, what: str) -> list:
         """Every worker's ``local`` (a JSON-able list of shapes and dtypes), in worker order.
 
         Exchanged through the coordination service, not a device collective, so
@@ -329,7 +333,7 @@ class MultiWorkerExtended(StrategyExtended):
         self._previous_shape_channel = channel
         return gathered
 
-class MultiWorkerMirroredStrategy(Strategy):
+class MultiWorkerMirroredStrategy(MeshStrategy):
     """Synchronous training on every device of every worker (tf.distribute.MultiWorkerMirroredStrategy).
 
     Each worker (process) runs the same program and drives its local devices;
@@ -358,27 +362,18 @@ class MultiWorkerMirroredStrategy(Strategy):
 
     def __init__(self, cluster_resolver: Any = None, communication_options: CommunicationOptions | None = None):
         from distribute.cluster.detect import default_resolver
-        from distribute.keras_support import saving
-        from distribute.keras_support.hooks import install
 
-        install()
-        saving.install()
+        patches.install_multi_worker()
         if communication_options is None:
             communication_options = CommunicationOptions()
         if not isinstance(communication_options, CommunicationOptions):
             raise ValueError(f"communication_options must be a CommunicationOptions, got {communication_options!r}.")
         resolver = cluster_resolver if cluster_resolver is not None else default_resolver()
-        cluster = _read_cluster(resolver)
-        timeout = communication_options.effective_timeout_seconds
-        exchange = _Exchange(_join(cluster, timeout), cluster, timeout) if cluster.num_workers > 1 else None
+        runtime = MultiWorkerRuntime.start(resolver, communication_options.effective_timeout_seconds)
         devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
-        super().__init__(devices, cluster=cluster, exchange=exchange)
+        super().__init__(devices, runtime=runtime)
         self._communication_options = communication_options
-        self._cluster_info = cluster
-        self._exchange_obj = exchange
         self._cluster_resolver = resolver
-        if cluster.num_workers > 1:
-            _agree_on_seed(self._exchange_obj)
 
     # -- results are returned replicated, so every worker can read them -------------------------
     def reduce(self, reduce_op: Any, value: Any, axis: int | None = None) -> Any:
@@ -388,7 +383,7 @@ class MultiWorkerMirroredStrategy(Strategy):
         return self._replicated(super().gather(value, axis))
 
     def _replicated(self, tree: Any) -> Any:
-        if self._cluster_info.num_workers == 1:
+        if self._extended.runtime.num_workers == 1:
             return tree
         sharding = self._extended.replica_mesh.replicated_sharding
 
@@ -401,7 +396,7 @@ class MultiWorkerMirroredStrategy(Strategy):
         return jax.tree_util.tree_map(one, tree)
 
     def __repr__(self) -> str:
-        c = self._cluster_info
+        c = self._extended.runtime.cluster
         return (
             f"MultiWorkerMirroredStrategy(num_workers={c.num_workers}, worker_id={c.worker_id}, "
             f"num_replicas_in_sync={self.num_replicas_in_sync})"

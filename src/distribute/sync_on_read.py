@@ -8,7 +8,7 @@ aggregation="sum")``:
 * each replica's copy starts at the initial value (1.0, 1.0): a cross-replica read
   (``var.numpy()``, ``var.value``, ``float(var)``, inside or outside the scope)
   gives their aggregate, 2.0 (``"mean"``: 1.0; ``"only_first_replica"``:
-  replica 0's copy), as one device's array (``keras_support/hooks.py``,
+  replica 0's copy), as one device's array (``keras_support/variables.py``,
   ``_cross_replica_read``): ``var + strategy.reduce(...)`` works, as in TF;
 * inside ``strategy.run`` each replica reads and assigns its own copy; after the
   step the cross-replica value is the aggregate of the new copies (replica
@@ -44,33 +44,44 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from distribute.mesh import AXIS
+from distribute.placement import Replicated
+from distribute.values import PerReplica
+
+
+class SyncOnRead(Replicated):
+    """One copy per replica, aggregated on a cross-replica read (TF's SyncOnReadVariable).
+
+    The answer of a mesh strategy of more than one replica to a variable made
+    with ``synchronization="on_read"``. ``var._value`` holds the cross-replica
+    value, replicated (so ``layout`` and ``read`` are ``Replicated``'s); the
+    copies live beside it (see the module docstring).
+
+    Args:
+        replica_mesh: the strategy's ``ReplicaMesh``.
+    """
+
+    def on_initialized(self, variable: Any) -> None:
+        """Makes the new variable's cross-replica value the aggregate of its identical copies.
+
+        Raises:
+            NotImplementedError: ``aggregation="none"``.
+        """
+        if variable._value is None:
+            return
+        if variable.aggregation == "none":
+            raise NotImplementedError(
+                f"Variable '{variable.path}' has synchronization='on_read' and aggregation='none': its "
+                "replicas' copies have no cross-replica value (TF raises 'Could not convert from "
+                "tf.VariableAggregation NONE to tf.distribute.ReduceOp' when it is read). Create it "
+                "with aggregation='sum', 'mean' or 'only_first_replica'."
+            )
+        if variable.aggregation == "sum":
+            variable._value = variable._value * jnp.asarray(self.replica_mesh.num_replicas, variable._value.dtype)
 
 
 def tracked(var: Any) -> bool:
     """Whether ``var`` is a SyncOnRead variable with one copy per replica (made in a scope of > 1 replica)."""
-    if getattr(var, "synchronization", None) != "on_read":
-        return False
-    strategy = getattr(var, "_distribute_strategy", None)
-    return strategy is not None and strategy.num_replicas_in_sync > 1 and hasattr(strategy.extended, "replica_mesh")
-
-
-def on_created(var: Any) -> None:
-    """Makes a new SyncOnRead variable's cross-replica value the aggregate of its identical copies.
-
-    Raises:
-        NotImplementedError: ``aggregation="none"``.
-    """
-    if not tracked(var) or var._value is None:
-        return
-    if var.aggregation == "none":
-        raise NotImplementedError(
-            f"Variable '{var.path}' has synchronization='on_read' and aggregation='none': its "
-            "replicas' copies have no cross-replica value (TF raises 'Could not convert from "
-            "tf.VariableAggregation NONE to tf.distribute.ReduceOp' when it is read). Create it "
-            "with aggregation='sum', 'mean' or 'only_first_replica'."
-        )
-    if var.aggregation == "sum":
-        var._value = var._value * jnp.asarray(var._distribute_strategy.num_replicas_in_sync, var._value.dtype)
+    return isinstance(getattr(var, "_distribute_placement", None), SyncOnRead)
 
 
 def copies(var: Any) -> jax.Array:
@@ -80,8 +91,8 @@ def copies(var: Any) -> jax.Array:
         return known[1]
     if var._value is None:
         raise ValueError(f"Variable '{var.path}' has no value (it is held by a running Keras fit loop).")
-    ext = var._distribute_strategy.extended
-    return _split_program(ext.replica_mesh.per_replica_sharding, var.aggregation, len(ext.replica_mesh.devices))(var._value)
+    mesh = var._distribute_placement.replica_mesh
+    return _split_program(mesh.per_replica_sharding, var.aggregation, mesh.num_replicas)(var._value)
 
 
 @functools.lru_cache(maxsize=None)
@@ -108,8 +119,6 @@ def as_per_replica(value: Any) -> Any:
     """
     if not tracked(value):
         return value
-    from distribute.values import PerReplica
-
     per_replica = copies(value)
     return PerReplica._from_array(value._distribute_strategy, _snapshot_program(per_replica.sharding)(per_replica))
 

@@ -18,7 +18,8 @@ from typing import Any, Sequence
 import jax
 
 from distribute.cluster import ClusterResolver, ClusterSpec
-from distribute.strategy import Strategy
+from distribute.keras_support import patches
+from distribute.mesh_strategy import MeshStrategy
 
 
 def _tpu_devices() -> list[jax.Device]:
@@ -74,7 +75,7 @@ class TPUClusterResolver(ClusterResolver):
         return tuple(self._devices)
 
 
-class TPUStrategy(Strategy):
+class TPUStrategy(MeshStrategy):
     """Synchronous training on TPU cores (tf.distribute.TPUStrategy).
 
     Args:
@@ -99,11 +100,9 @@ class TPUStrategy(Strategy):
         return self
 
     def _init(self, devices: list[jax.Device], resolver: Any) -> None:
-        from distribute.keras_support.hooks import install
-
-        install()
+        patches.install_core()
         devices = sorted(devices, key=lambda d: (d.process_index, d.id))
-        Strategy.__init__(self, devices)
+        MeshStrategy.__init__(self, devices)
         self._cluster_resolver = resolver
 
     def experimental_assign_to_logical_device(self, tensor: Any, logical_device_id: int) -> Any:

@@ -43,7 +43,7 @@ from distribute.mesh import AXIS
 from distribute import _context, lifting, spmd, sync_on_read, uneven_step
 from distribute._keras import KerasVariable, initialize_all_variables
 from distribute.values import Mirrored, PerReplica
-from distribute.lifting import LiftingScope as LiftingScope, check_ownership as check_ownership  # re-exported: the Keras integration's names
+from distribute.lifting import LiftingScope, check_ownership
 
 
 @dataclasses.dataclass
@@ -68,15 +68,14 @@ class _TraceRecord:
 
 def run(strategy: Any, fn: Callable, args: tuple, kwargs: dict) -> Any:
     """Runs ``fn`` on every replica of ``strategy``; see ``Strategy.run``."""
-    from distribute.keras_support.hooks import install
-
-    install()
     ext = strategy.extended
     leaves, treedef = jax.tree_util.tree_flatten((args, kwargs), is_leaf=lifting.is_input_leaf)
     kinds, dynamic, statics, key_parts = [], [], [], []
     lengths = None
     for leaf in leaves:
         if isinstance(leaf, PerReplica):
+            if leaf._strategy is None:  # built outside any scope: placed by the strategy it is given to, as TF
+                leaf = leaf._bind(strategy)
             if leaf._strategy is not strategy:
                 raise ValueError(
                     f"strategy.run got a PerReplica value of {leaf._strategy!r}, not of "
@@ -94,6 +93,8 @@ def run(strategy: Any, fn: Callable, args: tuple, kwargs: dict) -> Any:
                     )
                 lengths = leaf._lengths
         elif isinstance(leaf, (Mirrored, jax.Array, np.ndarray, np.generic)):
+            if isinstance(leaf, Mirrored) and leaf._strategy is None:
+                leaf = leaf._bind(strategy)
             array = leaf._array if isinstance(leaf, Mirrored) else leaf
             kinds.append(lifting.REPLICATED)
             dynamic.append(leaf)

@@ -85,34 +85,59 @@ class PerReplica(DistributedValues):
 
         v = PerReplica((jnp.array([1., 2.]), jnp.array([3., 4.])))  # 2 replicas
 
+    Inside a strategy's scope it is placed on that strategy's replicas at once.
+    Outside any scope it belongs to no strategy yet, as TF's: the strategy it is
+    given to (``run``, ``reduce``, ``gather``, ``experimental_local_results``)
+    places it.
+
     Args:
-        values: one array per local replica of the current strategy, all with the
+        values: one array per local replica of the strategy, all with the
             same shape except possibly dim 0.
 
     Raises:
         ValueError: the number of values differs from the number of local
-            replicas, or shapes differ beyond dim 0.
+            replicas, or shapes differ beyond dim 0 (when it is placed).
     """
 
     __slots__ = ("_strategy", "_array", "_lengths", "_cached_local", "_sum")
 
     def __init__(self, values: Sequence[Any]):
-        strategy = _context.current_strategy()
+        strategy = _context.scope_strategy()
         values = [np.asarray(v) if not isinstance(v, jax.Array) else v for v in values]
-        num_local = len(strategy.extended.replica_mesh.local_devices)
-        if len(values) != num_local:
+        if strategy is None:
+            self._strategy = None
+            self._array = None
+            self._lengths = None
+            self._cached_local = tuple(values)
+            self._sum = None
+            return
+        bound = PerReplica._bind_values(strategy, values)
+        for name in PerReplica.__slots__:
+            setattr(self, name, getattr(bound, name))
+
+    @classmethod
+    def _bind_values(cls, strategy: "Strategy", values: Sequence[Any]) -> "PerReplica":
+        """A PerReplica of ``values`` (one per local replica of mesh strategy ``strategy``), placed on its replicas.
+
+        Raises:
+            ValueError: the number of values differs from the number of local
+                replicas, or shapes differ beyond dim 0.
+        """
+        values = [np.asarray(v) if not isinstance(v, jax.Array) else v for v in values]
+        mesh = strategy.extended.replica_mesh
+        if len(values) != len(mesh.local_devices):
             raise ValueError(
-                f"PerReplica got {len(values)} values but the current strategy has "
-                f"{num_local} local replicas; give one value per replica."
+                f"PerReplica got {len(values)} values but {strategy!r} has "
+                f"{len(mesh.local_devices)} local replicas; give one value per replica."
             )
         array, lengths = stack_padded(values)
-        if jax.process_count() > 1 and hasattr(strategy.extended, "_agree_on_shapes"):
+        if jax.process_count() > 1:
             array, lengths = _agree_across_workers(strategy, values, array)
-        self._strategy = strategy
-        self._array = strategy.extended.replica_mesh.put_per_replica(array)
-        self._lengths = lengths
-        self._cached_local = None
-        self._sum = None
+        return cls._from_array(strategy, mesh.put_per_replica(array), lengths)
+
+    def _bind(self, strategy: "Strategy") -> "PerReplica":
+        """This value (built outside any scope) placed on ``strategy``'s replicas."""
+        return self if self._strategy is strategy else PerReplica._bind_values(strategy, self._cached_local)
 
     @classmethod
     def _from_array(
@@ -147,18 +172,27 @@ class Mirrored(DistributedValues):
     """One value, identical on every replica (tf.distribute's Mirrored).
 
     Backed by one replicated ``jax.Array``; ``values`` gives its copy on each local
-    replica's device (TF: one component per device).
+    replica's device (TF: one component per device). Built outside any
+    strategy's scope without ``strategy``, it belongs to no strategy until one
+    places it (as ``PerReplica``).
     """
 
-    __slots__ = ("_strategy", "_array")
+    __slots__ = ("_strategy", "_array", "_value")
 
     def __init__(self, value: Any, strategy: "Strategy | None" = None):
-        self._strategy = strategy or _context.current_strategy()
         if isinstance(value, DistributedValues):
             raise TypeError(f"Mirrored expects a plain array, got {type(value).__name__}")
-        self._array = self._strategy.extended.replica_mesh.put_replicated(value)
+        self._strategy = strategy or _context.scope_strategy()
+        self._value = value if self._strategy is None else None  # kept only until a strategy places it
+        self._array = None if self._strategy is None else self._strategy.extended.replica_mesh.put_replicated(value)
+
+    def _bind(self, strategy: "Strategy") -> "Mirrored":
+        """This value (built outside any scope) placed on ``strategy``'s replicas."""
+        return self if self._strategy is strategy else Mirrored(self._value, strategy)
 
     def _local_values(self) -> tuple:
+        if self._strategy is None:
+            return (self._value,)
         return self._strategy.extended.replica_mesh.local_copies(self._array)
 
 
@@ -201,7 +235,7 @@ def _agree_across_workers(strategy: "Strategy", values: list, array: Any) -> tup
             dim 0 differ between any two replicas of the job.
     """
     local = [[list(np.shape(v)), str(np.result_type(v))] for v in values]
-    per_worker = strategy.extended._agree_on_shapes(local, "a PerReplica value's shapes")
+    per_worker = strategy.extended.agree_on_shapes(local, "a PerReplica value's shapes")
     shapes = [tuple(shape) for worker in per_worker for shape, _ in worker]
     dtypes = sorted({dtype for worker in per_worker for _, dtype in worker})
     if len(set(shapes)) == 1 and len(dtypes) == 1:

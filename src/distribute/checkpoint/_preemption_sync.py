@@ -131,7 +131,7 @@ class _ClusterSync(_LocalSync):
         Raises:
             WorkerLostError: a worker did not acknowledge within the communication timeout.
         """
-        from distribute._coordination import WorkerLostError
+        from distribute.runtime.exits import WorkerLostError
 
         self._exchange.claim(self._key(key), str(run))
         logger.info("%s set %s to %d.", self.name, key, run)
@@ -148,12 +148,12 @@ class _ClusterSync(_LocalSync):
 
     @contextlib.contextmanager
     def agreed_exit(self) -> Iterator[None]:
-        from distribute import _coordination
+        import distribute.runtime.exits as exits
 
-        _coordination.agreed_exit(True)
+        exits.agreed_exit(True)
         with _ignoring_sigterm():
             yield  # exit_fn: a SystemExit leaves the exit marked as agreed
-        _coordination.agreed_exit(False)  # exit_fn returned: training goes on
+        exits.agreed_exit(False)  # exit_fn returned: training goes on
 
     def chief_value(self, text: str) -> str:
         values = self._exchange.all_gather(self._exchange.new_channel(), text.encode("utf-8"),
@@ -204,7 +204,8 @@ def cluster_sync(strategy: Any, resolver: Any, grace_period: float) -> _LocalSyn
     """
     from distribute.cluster import roles
 
-    exchange = getattr(strategy, "_exchange_obj", None)
+    runtime = None if strategy is None else strategy.extended.runtime
+    exchange = None if runtime is None else runtime.exchange
     num_workers = exchange.cluster.num_workers if exchange is not None else 1
     if resolver is not None:
         spec = resolver.cluster_spec()

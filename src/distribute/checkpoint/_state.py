@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import re
 from typing import Any
 
 import jax
 import numpy as np
+
+from distribute import _context
 
 
 def variables_of(name: str, obj: Any) -> list:
@@ -35,14 +38,23 @@ def is_optimizer(obj: Any) -> bool:
 
 
 def strategy_of(variables: list) -> Any:
-    """The strategy the variables were created under, else the current one."""
-    from distribute.strategy import get_strategy
-
+    """The strategy the variables were created under, else the one whose scope is active; None: neither
+    (the default strategy: one process, which writes checkpoints)."""
     for v in variables:
         strategy = getattr(v, "_distribute_strategy", None)
         if strategy is not None:
             return strategy
-    return get_strategy()
+    return _context.scope_strategy()
+
+
+def should_checkpoint(strategy: Any) -> bool:
+    """Whether this process writes checkpoints for ``strategy`` (None: the default strategy, yes)."""
+    return strategy is None or strategy.extended.should_checkpoint
+
+
+def scope_of(strategy: Any) -> Any:
+    """``strategy.scope()``, or a context that changes nothing for None (the default strategy)."""
+    return contextlib.nullcontext() if strategy is None else strategy.scope()
 
 
 def host_value(variable: Any) -> np.ndarray:

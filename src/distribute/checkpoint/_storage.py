@@ -257,10 +257,10 @@ def _by_object(record: dict) -> dict[str, list[dict]]:
 
 
 def _register_sigterm_wait() -> None:
-    from distribute import _coordination
+    import distribute.runtime.exits as exits
 
-    if wait_for_background_writes not in _coordination.BEFORE_SIGTERM_EXIT:
-        _coordination.BEFORE_SIGTERM_EXIT.append(wait_for_background_writes)
+    if wait_for_background_writes not in exits.BEFORE_SIGTERM_EXIT:
+        exits.BEFORE_SIGTERM_EXIT.append(wait_for_background_writes)
 
 
 _register_sigterm_wait()

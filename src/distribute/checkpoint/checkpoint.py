@@ -7,7 +7,8 @@ from typing import Any
 
 import numpy as np
 
-from distribute.checkpoint import _state, _storage
+import distribute.checkpoint._state as _state
+import distribute.checkpoint._storage as _storage
 
 
 def _agreed_path(strategy: Any, path: str) -> str:
@@ -17,7 +18,7 @@ def _agreed_path(strategy: Any, path: str) -> str:
     real one.  A non-chief whose own path differs gets that directory created,
     as TF's non-chief writes there (so the tutorials' ``rmtree`` of it works).
     """
-    exchange = getattr(strategy, "_exchange_obj", None)
+    exchange = _runtime_of(strategy).exchange if _runtime_of(strategy) is not None else None
     if exchange is None:
         return path
     paths = exchange.all_gather(exchange.new_channel(), path.encode("utf-8"), f"the checkpoint save of {path!r}")
@@ -27,14 +28,19 @@ def _agreed_path(strategy: Any, path: str) -> str:
     return chief
 
 
+def _runtime_of(strategy: Any) -> Any:
+    """``strategy``'s cross-worker runtime (``runtime/workers.py``), None for one process or the default strategy."""
+    return None if strategy is None else strategy.extended.runtime
+
+
 def _num_workers(strategy: Any) -> int:
-    cluster = getattr(strategy, "_cluster_info", None)
-    return cluster.num_workers if cluster is not None else 1
+    runtime = _runtime_of(strategy)
+    return runtime.num_workers if runtime is not None else 1
 
 
 def _timeout_seconds(strategy: Any) -> float:
-    options = getattr(strategy, "_communication_options", None)
-    return options.effective_timeout_seconds if options is not None else 1200.0
+    runtime = _runtime_of(strategy)
+    return runtime.timeout_seconds if runtime is not None else 1200.0
 
 
 class RestoreStatus:
@@ -278,5 +284,5 @@ class Checkpoint:
             if not _state.is_optimizer(obj) or obj.built or len(saved.get(name, [])) <= len(obj.variables):
                 continue
             if trainable:
-                with _state.strategy_of(trainable).scope():
+                with _state.scope_of(_state.strategy_of(trainable)):
                     obj.build(trainable)

@@ -7,7 +7,8 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from distribute.checkpoint import _storage
+import distribute.checkpoint._state as _state
+import distribute.checkpoint._storage as _storage
 from distribute.checkpoint.checkpoint import Checkpoint
 
 
@@ -99,7 +100,7 @@ class CheckpointManager:
     def _prune(self) -> None:
         """The chief deletes committed checkpoints beyond ``max_to_keep`` (after waiting for saves in flight)."""
         numbered = _numbered(self._directory, self._name)
-        if self._max_to_keep is None or not self._checkpoint._strategy().extended.should_checkpoint:
+        if self._max_to_keep is None or not _state.should_checkpoint(self._checkpoint._strategy()):
             return
         for _, old in numbered[: -self._max_to_keep]:
             _storage.checkpoint_path(old).rmtree(missing_ok=True)

@@ -31,7 +31,7 @@ import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from distribute.checkpoint import _storage
+import distribute.checkpoint._storage as _storage
 from distribute.checkpoint._preemption_sync import (
     INITIAL_RUN_COUNT_KEY,
     LAST_RUN_COUNT_KEY,

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import MutableMapping
 
-from distribute.cluster import _env
+import distribute.cluster._env as _env
 from distribute.cluster.resolver import ClusterResolver
 
 

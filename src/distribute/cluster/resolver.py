@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import abc
 
-from distribute.cluster import roles
+import distribute.cluster.roles as roles
 from distribute.cluster.cluster_spec import ClusterSpec
 
 __all__ = ["ClusterResolver", "SimpleClusterResolver", "format_master_url"]

@@ -12,7 +12,8 @@ import re
 import subprocess
 from collections.abc import Mapping, MutableMapping
 
-from distribute.cluster import _env, roles
+import distribute.cluster._env as _env
+import distribute.cluster.roles as roles
 from distribute.cluster.cluster_spec import ClusterSpec
 from distribute.cluster.resolver import ClusterResolver, format_master_url
 

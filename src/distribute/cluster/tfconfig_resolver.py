@@ -7,7 +7,8 @@ except that TF_CONFIG is read and checked once, when the resolver is created
 
 from __future__ import annotations
 
-from distribute.cluster import _env, roles
+import distribute.cluster._env as _env
+import distribute.cluster.roles as roles
 from distribute.cluster.cluster_spec import ClusterSpec
 from distribute.cluster.resolver import ClusterResolver, format_master_url
 from distribute.cluster.tf_config import TFConfig, parse_task_index, parse_tf_config, require_task

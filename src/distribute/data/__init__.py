@@ -6,8 +6,8 @@ yields numpy values, and runs on grain. ``TextLineDataset``,
 between workers under ``AutoShardPolicy.FILE``). A ``tf.data.Dataset`` or a
 grain ``MapDataset``/``IterDataset`` is accepted wherever a ``Dataset`` is.
 
-Importing this package lets Keras ``fit``/``evaluate``/``predict`` read a
-``Dataset`` even when no strategy exists (``keras_support.data_adapter``).
+Keras ``fit``/``evaluate``/``predict`` read a ``Dataset`` even when no strategy
+exists (``keras_adapter.py``, installed when the first ``Dataset`` is built).
 """
 
 from distribute.data import experimental
@@ -40,12 +40,3 @@ __all__ = [
     "TextLineDataset",
     "experimental",
 ]
-
-
-def _install_keras_adapter() -> None:
-    from distribute.keras_support import data_adapter
-
-    data_adapter.install()
-
-
-_install_keras_adapter()

@@ -18,7 +18,8 @@ from typing import Any
 import grain
 import numpy as np
 
-from distribute.data import _spec, _structure
+import distribute.data._spec as _spec
+import distribute.data._structure as _structure
 from distribute.data._pipeline import Node, _PyIterDataset
 
 

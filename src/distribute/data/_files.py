@@ -15,8 +15,8 @@ from typing import Any
 
 import numpy as np
 
-from distribute.data import _kind
-from distribute.data import _spec
+import distribute.data._kind as _kind
+import distribute.data._spec as _spec
 
 
 def list_files(cls: Any, file_pattern: Any, shuffle: bool | None, seed: int | None) -> Any:
@@ -108,7 +108,7 @@ def numpy_file_dataset(filenames: Any) -> Any:
 
 
 def _first_names(names: Any) -> list[bytes]:
-    from distribute.data import _plan
+    import distribute.data._plan as _plan
 
     with _plan.peeking():
         for name in names:

@@ -24,8 +24,10 @@ from typing import Any
 
 import numpy as np
 
-from distribute.data import _kind
-from distribute.data import _plan, _spec, _structure
+import distribute.data._kind as _kind
+import distribute.data._plan as _plan
+import distribute.data._spec as _spec
+import distribute.data._structure as _structure
 from distribute.data.options import UNKNOWN_CARDINALITY, AutoShardPolicy, Options
 
 

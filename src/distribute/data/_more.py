@@ -13,8 +13,12 @@ from typing import Any
 
 import numpy as np
 
-from distribute.data import _kind
-from distribute.data import _cardinality, _checks, _combine, _spec, _structure
+import distribute.data._kind as _kind
+import distribute.data._cardinality as _cardinality
+import distribute.data._checks as _checks
+import distribute.data._combine as _combine
+import distribute.data._spec as _spec
+import distribute.data._structure as _structure
 from distribute.data.options import AUTOTUNE, INFINITE_CARDINALITY, UNKNOWN_CARDINALITY
 
 _MAX_AUTOTUNE_THREADS = 16
@@ -255,7 +259,7 @@ def _as_dataset(value: Any, what: str) -> Any:
 
     if isinstance(value, Dataset):
         return value
-    from distribute.data import _foreign
+    import distribute.data._foreign as _foreign
 
     wrapped = _foreign.wrap(value)
     if wrapped is None:

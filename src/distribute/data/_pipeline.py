@@ -21,7 +21,8 @@ import grain
 import numpy as np
 from grain import experimental as grain_experimental
 
-from distribute.data import _plan, _structure
+import distribute.data._plan as _plan
+import distribute.data._structure as _structure
 
 _NO_FILTER_WARNINGS = grain_experimental.DatasetOptions(filter_warn_threshold_ratio=None)
 

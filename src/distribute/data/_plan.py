@@ -27,7 +27,9 @@ from typing import Any
 
 import numpy as np
 
-from distribute.data import _checks, _spec, _structure
+import distribute.data._checks as _checks
+import distribute.data._spec as _spec
+import distribute.data._structure as _structure
 
 CHUNK_ROWS = 1 << 16  # source rows per chunk for sequential sources
 _PEEKING: contextvars.ContextVar[bool] = contextvars.ContextVar("distribute_data_peeking", default=False)

@@ -12,7 +12,10 @@ from typing import Any
 
 import numpy as np
 
-from distribute.data import _pipeline, _plan, _spec, _structure
+import distribute.data._pipeline as _pipeline
+import distribute.data._plan as _plan
+import distribute.data._spec as _spec
+import distribute.data._structure as _structure
 from distribute.data.options import UNKNOWN_CARDINALITY, Options
 
 
@@ -193,7 +196,7 @@ class SourcesMixin:
         Raises:
           ValueError: no file matches (tf.data raises InvalidArgumentError).
         """
-        from distribute.data import _files
+        import distribute.data._files as _files
 
         return _files.list_files(cls, file_pattern, shuffle, seed)
 

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from distribute.data import _structure
+import distribute.data._structure as _structure
 
 STRING = np.dtype("S")
 DUMMY_SIZES = (2, 3)

@@ -18,6 +18,14 @@ Element = Any
 _INT32 = np.iinfo(np.int32)
 
 
+def is_host_leaf(leaf: Any) -> bool:
+    """Whether ``leaf`` cannot live on a device (strings, bytes, Python objects)."""
+    kind = getattr(getattr(leaf, "dtype", None), "kind", None)
+    if kind is None:
+        return isinstance(leaf, (bytes, str))
+    return kind in "SUO"
+
+
 _LEAF, _TUPLE, _MAPPING = 0, 1, 2
 _LEAF_TYPES = (np.ndarray, np.generic)
 

@@ -24,18 +24,16 @@ from typing import Any
 
 import grain
 
-from distribute.data import (
-    _kind,
-    _cardinality,
-    _checks,
-    _combine,
-    _more,
-    _pipeline,
-    _plan,
-    _sources,
-    _spec,
-    _structure,
-)
+import distribute.data._cardinality as _cardinality
+import distribute.data._checks as _checks
+import distribute.data._combine as _combine
+import distribute.data._kind as _kind
+import distribute.data._more as _more
+import distribute.data._pipeline as _pipeline
+import distribute.data._plan as _plan
+import distribute.data._sources as _sources
+import distribute.data._spec as _spec
+import distribute.data._structure as _structure
 from distribute.data.options import (
     AUTOTUNE,
     INFINITE_CARDINALITY,
@@ -100,6 +98,8 @@ class Dataset(_sources.SourcesMixin, _more.MoreMixin):
         ``seeds``: the SeedStreams of the unseeded random ops upstream (workers
         agree on them, see ``_random_seeds``).
         """
+        if not _KERAS_ADAPTER:
+            _install_keras_adapter()
         dataset = cls.__new__(cls)
         dataset._node = node
         dataset._cardinality_value = cardinality
@@ -470,3 +470,13 @@ class Dataset(_sources.SourcesMixin, _more.MoreMixin):
 
 
 _kind.register(Dataset)
+
+_KERAS_ADAPTER: list[bool] = []
+
+
+def _install_keras_adapter() -> None:
+    """Keras fit/evaluate/predict accept a Dataset from the first one built (data/keras_adapter.py)."""
+    import distribute.data.keras_adapter as keras_adapter  # loads Keras: only once a Dataset exists
+
+    keras_adapter.install()
+    _KERAS_ADAPTER.append(True)

@@ -18,7 +18,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from distribute.input import host_values, specs
+import distribute.input.host_values as host_values
+import distribute.input.specs as specs
 from distribute.input.input_context import (
     InputContext,
     InputOptions,

@@ -21,18 +21,11 @@ from typing import Any
 
 import numpy as np
 
+from distribute.data._structure import is_host_leaf
 from distribute.values import PerReplica
 
 _KEPT_ELEMENTS = 256  # host arrays kept for lookup; the iterator is at most a few elements ahead
 _MAX_ID = 2**31 - 1
-
-
-def is_host_leaf(leaf: Any) -> bool:
-    """Whether ``leaf`` cannot live on a device (strings, bytes, Python objects)."""
-    kind = getattr(getattr(leaf, "dtype", None), "kind", None)
-    if kind is None:
-        return isinstance(leaf, (bytes, str))
-    return kind in "SUO"
 
 
 class HostPerReplica(PerReplica):

@@ -24,7 +24,7 @@ from typing import Any
 import keras
 
 from distribute.checkpoint import Checkpoint, CheckpointManager, UnreadableCheckpointError
-from distribute.checkpoint._state import strategy_of
+from distribute.checkpoint._state import should_checkpoint, strategy_of
 
 _NAME = "backup"
 
@@ -100,6 +100,5 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
         self._manager().wait_until_finished()  # the last backup is on disk before anything is deleted
         if not self.delete_checkpoint:
             return
-        strategy = strategy_of(list(self.model.variables))
-        if strategy.extended.should_checkpoint:
+        if should_checkpoint(strategy_of(list(self.model.variables))):
             shutil.rmtree(self.backup_dir, ignore_errors=True)

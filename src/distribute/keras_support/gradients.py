@@ -9,7 +9,7 @@ import jax.numpy as jnp
 
 from distribute import _context
 from distribute._keras import get_stateless_scope
-from distribute.tracing import LiftingScope
+from distribute.lifting import LiftingScope
 
 
 def compute_gradients(loss_fn: Callable[[], Any], variables: Sequence[Any], has_aux: bool = False) -> tuple:

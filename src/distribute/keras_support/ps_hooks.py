@@ -1,12 +1,13 @@
 """The Keras seam of ParameterServerStrategy: the patches that turn Keras state into ps updates.
 
-``install()`` adds, on top of ``hooks.install()`` (each patch changes nothing
-outside a ParameterServerStrategy):
+The wrappers of ``keras_support/patches.py``'s ``PARAMETER_SERVER`` rows, on top
+of the ``CORE`` ones (each changes nothing outside a ParameterServerStrategy):
 
-* a Keras variable created in a ps strategy's scope is registered with the
-  strategy at creation (``extended._on_variable_created``), in creation order,
-  so placement is round-robin as TF's; an optimizer slot (``add_variable_from_reference``)
-  is colocated with its model variable, as TF colocates slots;
+* a Keras variable created in a ps strategy's scope asks the strategy where it
+  lives, as every variable does (``extended.place_variable``: registered in
+  creation order, so placement is round-robin as TF's); an optimizer slot
+  (``add_variable_from_reference``) is colocated with its model variable, as TF
+  colocates slots (:func:`colocated_with`);
 * ``assign_add`` / ``assign_sub`` inside a scheduled function are recorded as
   additive deltas (Keras turns them into ``assign``, which would make a metric's
   total last-writer-wins); a plain ``assign`` stays an overwrite;
@@ -18,9 +19,9 @@ outside a ParameterServerStrategy):
   sees them, as a TF worker reads the ps after each step's update; an optimizer
   whose update the ps cannot express raises :func:`check_optimizer`'s error;
 * an assignment on the coordinator (``set_weights``, a checkpoint restore,
-  ``metric.reset_state()``) is pushed to the ps;
+  ``metric.reset_state()``) is pushed to the ps (the placement's ``on_assign``);
 * ``Model.fit`` / ``evaluate`` / ``predict`` of a model built in a ps strategy's
-  scope go to ``extended._keras_fit`` / ``_keras_evaluate`` / ``_keras_predict``
+  scope go to ``extended.keras_fit`` / ``keras_evaluate`` / ``keras_predict``
   (``parameter_server/keras_fit.py``, ``keras_eval.py``).
 """
 
@@ -34,17 +35,15 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from distribute import _context
-from distribute._keras import BaseOptimizer, JAXTrainer, JaxVariable, KerasVariable, get_stateless_scope, initialize_all_variables, keras_backend
-from distribute._keras import patch as _patch
-from distribute.tracing import LiftingScope
+from distribute._keras import BaseOptimizer, KerasVariable, get_stateless_scope, initialize_all_variables, keras_backend
+from distribute.lifting import LiftingScope
+from distribute.strategy import CoordinatedStrategy
 
-_INSTALLED: list[bool] = []
 _COLOCATE: contextvars.ContextVar[Any] = contextvars.ContextVar("distribute_ps_colocate", default=None)
 _LOCAL_UPDATES: contextvars.ContextVar[bool] = contextvars.ContextVar("distribute_ps_local_updates", default=False)
 
 __all__ = [
-    "KerasVariable", "PSApplyScope", "PSTraceScope", "check_optimizer", "initialize_all_variables", "install",
+    "KerasVariable", "PSApplyScope", "PSTraceScope", "check_optimizer", "initialize_all_variables",
     "local_updates", "without_clipping",
 ]
 
@@ -83,37 +82,17 @@ class PSApplyScope(LiftingScope):
     """The scope an optimizer's update is traced in for one ps (reads and writes only)."""
 
 
-def install() -> None:
-    """Installs the patches (idempotent); also installs ``hooks.install()`` first."""
-    if _INSTALLED:
-        return
-    from distribute.keras_support import hooks
-
-    hooks.install()
-    _patch(KerasVariable, "__init__", _variable_init)
-    _patch(KerasVariable, "assign_add", functools.partial(_additive, sign=1))
-    _patch(KerasVariable, "assign_sub", functools.partial(_additive, sign=-1))
-    _patch(JaxVariable, "_direct_assign", _direct_assign)
-    _patch(BaseOptimizer, "add_variable_from_reference", _add_variable_from_reference)
-    _patch(BaseOptimizer, "apply", _optimizer_apply)
-    _patch(BaseOptimizer, "apply_gradients", _optimizer_apply_gradients)
-    for name in ("fit", "evaluate", "predict"):
-        _patch(JAXTrainer, name, functools.partial(_route_under_ps, name=name))
-    _INSTALLED.append(True)
+def additive_of(sign: int):
+    """The ``Patch.wrap`` of ``assign_add`` (``sign`` 1) or ``assign_sub`` (-1)."""
+    return functools.partial(additive, sign=sign)
 
 
-def _variable_init(original):
-    def __init__(self, *args, **kwargs):
-        original(self, *args, **kwargs)
-        strategy = _context.scope_strategy()
-        callback = getattr(getattr(strategy, "extended", None), "_on_variable_created", None)
-        if callback is not None:
-            callback(self, _COLOCATE.get())
-
-    return __init__
+def route_under_ps_of(name: str):
+    """The ``Patch.wrap`` of ``fit`` / ``evaluate`` / ``predict``."""
+    return functools.partial(route_under_ps, name=name)
 
 
-def _additive(original, sign: int):
+def additive(original, sign: int):
     def assign_additive(self, value):
         scope = get_stateless_scope()
         if not isinstance(scope, PSTraceScope) or scope._simulating:
@@ -132,28 +111,30 @@ def _additive(original, sign: int):
     return assign_additive
 
 
-def _direct_assign(original):
-    def _direct_assign(self, value):
-        original(self, value)
-        callback = self.__dict__.get("_distribute_on_assign")
-        if callback is not None:
-            callback(self)
-
-    return _direct_assign
+def colocated_with() -> Any:
+    """The variable new variables are colocated with (an optimizer slot's model variable), or None."""
+    return _COLOCATE.get()
 
 
-def _add_variable_from_reference(original):
+@contextlib.contextmanager
+def colocate(variable: Any) -> Iterator[None]:
+    """Inside, new variables are placed with ``variable`` (``extended.colocate_vars_with``)."""
+    token = _COLOCATE.set(variable)
+    try:
+        yield
+    finally:
+        _COLOCATE.reset(token)
+
+
+def add_variable_from_reference(original):
     def add_variable_from_reference(self, reference_variable, *args, **kwargs):
-        token = _COLOCATE.set(reference_variable)
-        try:
+        with colocate(reference_variable):
             return original(self, reference_variable, *args, **kwargs)
-        finally:
-            _COLOCATE.reset(token)
 
     return add_variable_from_reference
 
 
-def _optimizer_apply(original):
+def optimizer_apply(original):
     def apply(self, grads, trainable_variables=None):
         scope = get_stateless_scope()
         if not isinstance(scope, PSTraceScope):
@@ -179,7 +160,7 @@ def _optimizer_apply(original):
     return apply
 
 
-def _optimizer_apply_gradients(original):
+def optimizer_apply_gradients(original):
     def apply_gradients(self, grads_and_vars):
         if isinstance(get_stateless_scope(), PSTraceScope):
             check_optimizer(self)  # before a wrapper's own apply() runs
@@ -271,11 +252,11 @@ def _holds_optimizer(value: Any) -> bool:
     return isinstance(value, (list, tuple)) and any(isinstance(v, BaseOptimizer) for v in value)
 
 
-def _route_under_ps(original, name: str):
+def route_under_ps(original, name: str):
     def method(self, *args, **kwargs):
         strategy = self.__dict__.get("_distribute_strategy")
-        if getattr(strategy, "_should_use_with_coordinator", False):
-            return getattr(strategy.extended, f"_keras_{name}")(self, args, kwargs)
+        if isinstance(strategy, CoordinatedStrategy):
+            return getattr(strategy.extended, f"keras_{name}")(self, args, kwargs)
         return original(self, *args, **kwargs)
 
     return method

@@ -21,17 +21,12 @@ Keras' ``TensorBoard`` callback likewise writes from the chief only, as TF's
 
 from __future__ import annotations
 
-import functools
 import os
 import shutil
 from typing import Any
 
-import keras
 
-from distribute import _context, _keras
-
-_PATCHED = ("save", "save_weights")
-
+from distribute import _context
 
 def write_filepath(filepath: str, cluster: Any) -> str:
     """The path this worker writes: ``filepath`` on the chief, ``dir/workertemp_N/base`` elsewhere (TF's name)."""
@@ -43,12 +38,13 @@ def write_filepath(filepath: str, cluster: Any) -> str:
 def _cluster_of(model: Any) -> Any:
     from distribute.checkpoint._state import strategy_of
 
-    cluster = getattr(strategy_of(list(model.variables)), "_cluster_info", None)
+    strategy = strategy_of(list(model.variables))
+    runtime = None if strategy is None else strategy.extended.runtime
+    cluster = None if runtime is None else runtime.cluster
     return cluster if cluster is not None and cluster.num_workers > 1 else None
 
 
-def _wrap(original: Any) -> Any:
-    @functools.wraps(original)
+def save_wrapper(original: Any) -> Any:
     def save(self: Any, filepath: Any, *args: Any, **kwargs: Any) -> Any:
         cluster = _cluster_of(self)
         with _context.outside_scope():
@@ -61,19 +57,7 @@ def _wrap(original: Any) -> Any:
             finally:
                 shutil.rmtree(os.path.dirname(temp), ignore_errors=True)
 
-    save._distribute_saving = True  # type: ignore[attr-defined]
     return save
-
-
-def install() -> None:
-    """Patches ``keras.Model.save``, ``save_weights`` and the ``TensorBoard`` callback once per process (idempotent)."""
-    for name in _PATCHED:
-        current = getattr(keras.Model, name)
-        if not getattr(current, "_distribute_saving", False):
-            setattr(keras.Model, name, _wrap(current))
-    if not getattr(keras.callbacks.TensorBoard.set_model, "_distribute_saving", False):
-        _keras.patch(keras.callbacks.TensorBoard, "set_model", _tensorboard_set_model)
-        _keras.patch(keras.callbacks.TensorBoard, "on_train_end", _tensorboard_on_train_end)
 
 
 def _tensorboard_temp_dir(callback: Any, model: Any) -> str | None:
@@ -84,7 +68,7 @@ def _tensorboard_temp_dir(callback: Any, model: Any) -> str | None:
     return os.path.join(callback.log_dir, f"workertemp_{cluster.worker_id}")
 
 
-def _tensorboard_set_model(original: Any) -> Any:
+def tensorboard_set_model(original: Any) -> Any:
     def set_model(self: Any, model: Any) -> None:
         temp = _tensorboard_temp_dir(self, model)
         if temp is None:
@@ -100,11 +84,10 @@ def _tensorboard_set_model(original: Any) -> Any:
         finally:
             self.log_dir = log_dir
 
-    set_model._distribute_saving = True  # type: ignore[attr-defined]
     return set_model
 
 
-def _tensorboard_on_train_end(original: Any) -> Any:
+def tensorboard_on_train_end(original: Any) -> Any:
     def on_train_end(self: Any, logs: Any = None) -> None:
         try:
             original(self, logs)  # closes the writers

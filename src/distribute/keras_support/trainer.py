@@ -41,24 +41,13 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from distribute.mesh import AXIS
 from distribute import _context, collectives
 from distribute import spmd, uneven
-from distribute._keras import DataAdapter, JAXTrainer, Layer, Trainer, copy_thread_state, patch, tree
+from distribute._keras import DataAdapter, JAXTrainer, copy_thread_state, tree
 from distribute.input.splitting import split_batch, split_counts
-from distribute.keras_support import steps
+import distribute.keras_support.steps as steps
 from distribute.keras_support.data_adapter import adapt
-from distribute.tracing import check_ownership
+from distribute.lifting import check_ownership
+from distribute.mesh_strategy import MeshStrategy
 
-
-
-def install() -> None:
-    # On the base class: Keras' load_model compares type(model).compile with Trainer.compile.
-    patch(Trainer, "compile", _compile_wrapper)
-    for name in ("fit", "evaluate", "predict", "train_on_batch", "test_on_batch", "predict_on_batch"):
-        patch(JAXTrainer, name, _in_scope)
-    for kind in _KINDS:
-        patch(JAXTrainer, f"make_{kind}_function", functools.partial(_routed, kind=kind))
-    patch(Layer, "__setattr__", _untracked_loop_state)
-    for kind in ("train", "test", "predict"):
-        patch(keras.callbacks.CallbackList, f"on_{kind}_batch_end", functools.partial(_batch_end, kind=kind))
 
 
 # -- the per-step cost of Keras' loop, for models compiled in a strategy's scope --------
@@ -70,7 +59,7 @@ def install() -> None:
 _LOOP_STATE = frozenset({"_jax_state", "_jax_state_synced"})
 
 
-def _untracked_loop_state(original):
+def untracked_loop_state(original):
     def __setattr__(self, name, value):
         if name in _LOOP_STATE and self.__dict__.get("_distribute_strategy") is not None:
             object.__setattr__(self, name, value)
@@ -81,13 +70,13 @@ def _untracked_loop_state(original):
 
 
 def _listens(callbacks: list, kind: str) -> bool:
-    """Whether any callback overrides the ``on_<kind>_batch_end`` hook (or ``on_batch_end`` for train)."""
+    """Whether any callback overrides the ``on_<kind>batch_end`` hook (or ``on_batch_end`` for train)."""
     names = (f"on_{kind}_batch_end", "on_batch_end") if kind == "train" else (f"on_{kind}_batch_end",)
     return any(not getattr(getattr(c, n, None), "_is_default", False) for c in callbacks for n in names)
 
 
-def _batch_end(original, kind):
-    """``CallbackList.on_<kind>_batch_end``: nothing to do when no callback listens (distributed models).
+def batch_end(original, kind):
+    """``CallbackList.on_<kind>batch_end``: nothing to do when no callback listens (distributed models).
 
     Keras hands every step's logs to a thread that converts them to Python floats
     (a device-to-host read per metric) and then calls hooks that do nothing
@@ -110,7 +99,7 @@ def model_strategy(model: Any) -> Any:
     return getattr(model, "__dict__", {}).get("_distribute_strategy")
 
 
-def _compile_wrapper(original):
+def compile_wrapper(original):
     def compile(self, *args, **kwargs):
         strategy = _context.scope_strategy()
         if strategy is None:
@@ -140,30 +129,33 @@ def _adopt_metrics_made_outside(strategy: Any, metrics: list) -> None:
     optimizers' variables are never taken (a model or optimizer made outside stays
     a ValueError).
     """
-    if getattr(strategy, "_is_default", False) or not hasattr(strategy.extended, "replica_mesh"):
+    if not isinstance(strategy, MeshStrategy):
         return
-    sharding = strategy.extended.replica_mesh.replicated_sharding
     for metric in metrics:
         if getattr(metric, "_distribute_strategy", None) is not None:
             continue
         for var in metric.variables:
             if getattr(var, "_distribute_strategy", None) is None and var._value is not None and var.synchronization == "on_read":
                 var._distribute_strategy = strategy
-                var._layout = sharding
-                var._value = jax.device_put(var._value, sharding)
+                var._distribute_placement = strategy.extended.place_variable(var)
+                var._layout = var._distribute_placement.layout
+                var._value = jax.device_put(var._value, var._layout)
         object.__setattr__(metric, "_distribute_strategy", strategy)
 
 
-def _in_scope(original):
+def in_scope(original):
     """fit/evaluate/predict and the *_on_batch methods: read distribute.data.Dataset inputs, run in the model's strategy scope."""
 
+    # Positions of the arguments that may be datasets: x, and fit's validation_data.
+    positions = (0, 7) if original.__name__ == "fit" else (0,)
+
     def method(self, *args, **kwargs):
-        args = tuple(adapt(a) if i == 0 else a for i, a in enumerate(args))
+        strategy = model_strategy(self)
+        args = tuple(adapt(a, strategy) if i in positions else a for i, a in enumerate(args))
         for name in ("x", "validation_data"):
             if name in kwargs:
-                kwargs[name] = adapt(kwargs[name])
-        strategy = model_strategy(self)
-        if strategy is None or (original.__name__.endswith("_on_batch") and not hasattr(strategy.extended, "replica_mesh")):
+                kwargs[name] = adapt(kwargs[name], strategy)
+        if strategy is None or (original.__name__.endswith("_on_batch") and not isinstance(strategy, MeshStrategy)):
             return original(self, *args, **kwargs)  # *_on_batch: mesh strategies only (ParameterServerStrategy: as before)
         if original.__name__ == "fit":
             self.__dict__["_distribute_partial_rows"] = _partial_rows(args, kwargs)
@@ -197,7 +189,17 @@ def _partial_rows(args: tuple, kwargs: dict) -> int | None:
     return partial or None
 
 
-def _routed(original, kind):
+def routed_to(kind: str):
+    """The ``Patch.wrap`` of ``make_<kind>_function``."""
+    return functools.partial(routed, kind=kind)
+
+
+def batch_end_of(kind: str):
+    """The ``Patch.wrap`` of ``CallbackList.on_<kind>_batch_end``."""
+    return functools.partial(batch_end, kind=kind)
+
+
+def routed(original, kind):
     def make_function(self, force=False):
         strategy = model_strategy(self)
         if strategy is None:

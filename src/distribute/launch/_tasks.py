@@ -15,7 +15,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import IO, Any, Callable
 
-from distribute._coordination_service import EXIT_WORKER_LOST
+from distribute.runtime.service import EXIT_WORKER_LOST
 from distribute.cluster.ports import free_ports
 
 EXIT_TIMEOUT = 124

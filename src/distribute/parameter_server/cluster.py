@@ -78,7 +78,7 @@ def connect_for(resolver: Any, address: str | None, num_workers: int, num_ps: in
     actor is pinned to its task.
     """
     from distribute.cluster import _env
-    from distribute.parameter_server import nodes
+    import distribute.parameter_server.nodes as nodes
 
     if address is None:
         address = _env.read("RAY_ADDRESS")

@@ -20,6 +20,7 @@ from distribute.parameter_server.dataset import (
     pipeline_fn,
 )
 from distribute.parameter_server.values import PerWorkerValues, RemoteValue
+from distribute.strategy import CoordinatedStrategy
 
 
 class ClusterCoordinator:
@@ -45,8 +46,7 @@ class ClusterCoordinator:
     """
 
     def __new__(cls, strategy: Any):
-        # The strategy's marker, not isinstance: strategy.py imports this module (through Keras fit).
-        if not getattr(strategy, "_should_use_with_coordinator", False):
+        if not isinstance(strategy, CoordinatedStrategy):
             raise ValueError(
                 "Only `tf.distribute.experimental.ParameterServerStrategy` is supported to work with "
                 "`tf.distribute.experimental.coordinator.ClusterCoordinator` currently."
@@ -94,7 +94,7 @@ class ClusterCoordinator:
                 cleared), or ``PSUnavailableError`` when a ps was lost.
         """
         from distribute.keras_support.ps_hooks import KerasVariable
-        from distribute.parameter_server import program
+        import distribute.parameter_server.program as program
 
         if not callable(fn):
             raise TypeError("Function passed to `ClusterCoordinator.schedule` must be a callable object.")
@@ -161,7 +161,7 @@ class ClusterCoordinator:
         iterator of the same signature gets the traced programs with its own
         plan (``program.with_iterators``), no new trace.
         """
-        from distribute.parameter_server import program
+        import distribute.parameter_server.program as program
 
         signature = tuple((el_treedef, tuple(tuple(s) for s in specs)) for _, el_treedef, specs in iter_specs)
         resource_ids = tuple(rid for rid, _, _ in iter_specs)
@@ -268,6 +268,6 @@ def _static_key(leaf: Any) -> Any:
         hash(leaf)
     except TypeError:
         return ("id", id(leaf))
-    if hasattr(leaf, "_distribute_on_assign") or not isinstance(leaf, (int, float, str, bool, type(None), tuple)):
+    if hasattr(leaf, "_distribute_placement") or not isinstance(leaf, (int, float, str, bool, type(None), tuple)):
         return ("id", id(leaf))
     return (type(leaf), leaf)

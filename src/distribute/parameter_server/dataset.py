@@ -123,13 +123,9 @@ _NO_VARIABLES = "Creating variables in `dataset_fn` is not allowed."  # TF's mes
 
 
 class _WorkerExtended:
-    """Refuses the two questions a Keras variable created in its scope asks (where it lives, who holds it)."""
+    """Refuses the question a Keras variable created in its scope asks: where it lives."""
 
-    @property
-    def replica_mesh(self) -> Any:
-        raise ValueError(_NO_VARIABLES)
-
-    def _on_variable_created(self, variable: Any, colocate: Any = None) -> None:
+    def place_variable(self, variable: Any) -> Any:
         raise ValueError(_NO_VARIABLES)
 
 
@@ -163,9 +159,9 @@ class _PipelineFn:
         if "keras" not in sys.modules:  # the function cannot create Keras variables
             return self._call()
         from distribute import _context
-        from distribute.keras_support import ps_hooks
+        from distribute.keras_support import patches
 
-        ps_hooks.install()
+        patches.install_parameter_server()
         with _context.enter_scope(WorkerStrategy()):
             return self._call()
 

@@ -15,7 +15,7 @@ per scheduled closure, ``logs`` the closure's RemoteValue read lazily
 (``keras_rules.BatchLogs``), epoch hooks with the ps-side logs; a model not yet
 built is built from the element spec the workers report (TF builds it from the
 first batch).  Reached through ``ps_hooks``
-(which patches ``Model.fit``) and ``ParameterServerStrategyExtended._keras_fit``.
+(which patches ``Model.fit``) and ``ParameterServerStrategyExtended.keras_fit``.
 """
 
 from __future__ import annotations

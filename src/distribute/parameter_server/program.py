@@ -39,7 +39,7 @@ from distribute.keras_support.ps_hooks import (
     initialize_all_variables,
     without_clipping,
 )
-from distribute.tracing import check_ownership
+from distribute.lifting import check_ownership
 
 ITER, ARRAY, STATIC = 0, 1, 2
 _IDS = itertools.count()

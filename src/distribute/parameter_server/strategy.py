@@ -21,9 +21,12 @@ import jax
 import jax.numpy as jnp
 
 from distribute import _context
+from distribute.keras_support import patches, ps_hooks
 from distribute.parameter_server.registry import VariableRegistry, ps_device
 from distribute.replica import ReplicaContext
-from distribute.strategy import Strategy, StrategyExtended
+from distribute.extended import StrategyExtended
+from distribute.placement import Placement
+from distribute.strategy import CoordinatedStrategy, ValueContext
 from distribute.values import ReduceOp, is_distributed
 
 _SCHEDULING: contextvars.ContextVar[bool] = contextvars.ContextVar("distribute_ps_scheduling", default=False)
@@ -39,11 +42,27 @@ USED_WITHOUT_COORDINATOR_WARNING = (
 )
 
 
+class _OnParameterServer(Placement):
+    """A variable on a ps (``place_variable``'s answer): registered at creation, read and pushed through the cluster."""
+
+    def __init__(self, extended: "ParameterServerStrategyExtended"):
+        self._extended = extended
+
+    def on_created(self, variable: Any) -> None:
+        self._extended._on_variable_created(variable, ps_hooks.colocated_with())
+
+    def before_read(self, variable: Any) -> None:
+        self._extended._before_read(variable)
+
+    def on_assign(self, variable: Any) -> None:
+        self._extended._on_assign(variable)
+
+
 class ParameterServerStrategyExtended(StrategyExtended):
     """The extended half of ParameterServerStrategy: variable placement and the cluster."""
 
-    def __init__(self, strategy: ParameterServerStrategy, devices: Sequence[jax.Device]):
-        super().__init__(strategy, devices)
+    def __init__(self, strategy: ParameterServerStrategy):
+        super().__init__(strategy)
         self._registry: VariableRegistry | None = None
         self._cluster: Any = None
         self._push_lock = threading.Lock()
@@ -72,15 +91,15 @@ class ParameterServerStrategyExtended(StrategyExtended):
     @contextlib.contextmanager
     def colocate_vars_with(self, colocate_with_variable: Any) -> Iterator[None]:
         """Places variables created inside on ``colocate_with_variable``'s ps (never partitioned), as TF."""
-        from distribute.keras_support import ps_hooks
-
-        token = ps_hooks._COLOCATE.set(colocate_with_variable)
-        try:
+        with ps_hooks.colocate(colocate_with_variable):
             yield
-        finally:
-            ps_hooks._COLOCATE.reset(token)
 
-    # -- the execution interface this strategy needs ----------------------------------------
+    # -- where a variable lives -------------------------------------------------------------
+    def place_variable(self, variable: Any) -> Placement:
+        """On a ps: round-robin per variable (or per shard, with a ``variable_partitioner``) in creation
+        order, an optimizer slot with its variable, as TF's ParameterServerStrategy."""
+        return _OnParameterServer(self)
+
     def _on_variable_created(self, var: Any, colocate_with: Any) -> None:
         entry = self._registry.register(var, colocate_with)
         if len(entry.shards) == 1:
@@ -89,8 +108,6 @@ class ParameterServerStrategyExtended(StrategyExtended):
             from distribute.parameter_server.values import make_sharded
 
             make_sharded(var, [(s.start, s.stop) for s in entry.shards], [ps_device(s.ps) for s in entry.shards])
-        var._distribute_on_assign = self._on_assign
-        var._distribute_before_read = self._before_read
 
     def _before_read(self, var: Any) -> None:
         """A read of ``var`` on the coordinator (not while a scheduled function is traced) sees its ps's value.
@@ -153,19 +170,19 @@ class ParameterServerStrategyExtended(StrategyExtended):
         for entry in entries:
             self._registry.set_local(entry, self._registry.assemble(entry, values))
 
-    def _keras_fit(self, model: Any, args: tuple, kwargs: dict) -> Any:
+    def keras_fit(self, model: Any, args: tuple, kwargs: dict) -> Any:
         """``model.fit(*args, **kwargs)`` under this strategy (called by the Keras seam, ``ps_hooks``)."""
         from distribute.parameter_server.keras_fit import fit
 
         return fit(self._container_strategy, model, *args, **kwargs)
 
-    def _keras_evaluate(self, model: Any, args: tuple, kwargs: dict) -> Any:
+    def keras_evaluate(self, model: Any, args: tuple, kwargs: dict) -> Any:
         """``model.evaluate(*args, **kwargs)`` on the workers (called by the Keras seam, ``ps_hooks``)."""
         from distribute.parameter_server.keras_eval import evaluate
 
         return evaluate(self._container_strategy, model, *args, **kwargs)
 
-    def _keras_predict(self, model: Any, args: tuple, kwargs: dict) -> Any:
+    def keras_predict(self, model: Any, args: tuple, kwargs: dict) -> Any:
         """``model.predict(*args, **kwargs)`` on the workers (called by the Keras seam, ``ps_hooks``)."""
         from distribute.parameter_server.keras_eval import predict
 
@@ -180,7 +197,7 @@ class ParameterServerStrategyExtended(StrategyExtended):
             _SCHEDULING.reset(token)
 
 
-class ParameterServerStrategy(Strategy):
+class ParameterServerStrategy(CoordinatedStrategy):
     """Asynchronous training with parameter servers (tf.distribute.ParameterServerStrategy), on Ray.
 
     Variables created in ``scope()`` (Keras layers, optimizer slots, metrics) live
@@ -214,7 +231,6 @@ class ParameterServerStrategy(Strategy):
     """
 
     _extended_cls = ParameterServerStrategyExtended
-    _should_use_with_coordinator = True
 
     def __init__(
         self,
@@ -225,16 +241,15 @@ class ParameterServerStrategy(Strategy):
         num_ps: int | None = None,
         address: str | None = None,
     ):
-        from distribute.keras_support import ps_hooks
         from distribute.parameter_server import cluster as ray_cluster
 
         if cluster_resolver is None and num_workers is None and num_ps is None:
             cluster_resolver = ray_cluster.tf_config_resolver()
         num_workers, num_ps = _task_counts(cluster_resolver, num_workers, num_ps)
-        super().__init__([jax.local_devices()[0]])
+        patches.install_parameter_server()
+        super().__init__()
         self._cluster_resolver = cluster_resolver
         self._cluster_coordinator = None
-        ps_hooks.install()
         ray_cluster.connect_for(cluster_resolver, address, num_workers, num_ps)
         self._extended._registry = VariableRegistry(num_ps, variable_partitioner)
         self._extended._cluster = ray_cluster.Cluster(num_workers, num_ps)
@@ -313,8 +328,6 @@ class ParameterServerStrategy(Strategy):
         return DistributedDatasetSpec(dataset_fn=dataset_fn, options=options)
 
     def experimental_distribute_values_from_function(self, value_fn: Callable) -> Any:
-        from distribute.strategy import ValueContext
-
         return value_fn(ValueContext(0, 1))
 
     def _shutdown(self) -> None:

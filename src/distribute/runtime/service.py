@@ -1,4 +1,4 @@
-"""jaxlib's coordination service in a process of its own (part of the ``_coordination`` seam).
+"""jaxlib's coordination service in a process of its own (part of the runtime's JAX seam, with ``join.py``).
 
 ``jax.distributed.initialize`` runs the coordination service inside process 0,
 so when that worker (the chief) dies the service dies with it and jaxlib ends
