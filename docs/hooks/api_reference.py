@@ -149,35 +149,39 @@ def _shown(entry: Entry) -> str:
 
 
 def layers() -> str:
-    """The import-linter layers contract, top layer first, as a numbered list."""
+    """The import-linter layers contract, top layer first, as a numbered list (then its exceptions, if any)."""
     config = tomllib.loads((ROOT / "pyproject.toml").read_text())
     contract = next(c for c in config["tool"]["importlinter"]["contracts"] if c["type"] == "layers")
     lines = []
     for i, layer in enumerate(contract["layers"], 1):
         modules = [m.strip() for m in layer.split("|")]
         lines.append(f"{i}. " + ", ".join(f"`{m}`" for m in modules))
+    exceptions = contract.get("ignore_imports", [])
+    if exceptions:
+        lines.append("\nImports allowed against the layers, by name: " + ", ".join(f"`{e}`" for e in exceptions) + ".")
     return "\n".join(lines)
 
 
-# The execution interface (architecture page): public name -> member names.
-EXECUTION_INTERFACE = {
-    "distribute.Strategy": ["scope", "run", "reduce", "gather", "experimental_local_results",
-                            "experimental_distribute_dataset", "distribute_datasets_from_function",
-                            "num_replicas_in_sync", "extended"],
-    "distribute.StrategyExtended": ["variable_created_in_scope", "reduce_to", "batch_reduce_to", "update",
-                                    "colocate_vars_with", "should_checkpoint"],
-}
+# The execution interface (architecture page): the abstract members of these public classes.
+EXECUTION_INTERFACE = ("Strategy", "StrategyExtended")
+
+
+def interface_members(cls: type) -> list[str]:
+    """The abstract members of ``cls``, in the order the class defines them."""
+    abstract = set(getattr(cls, "__abstractmethods__", ()))
+    ordered = [name for klass in reversed(cls.__mro__) for name in vars(klass) if name in abstract]
+    return list(dict.fromkeys(ordered))
 
 
 def execution_interface() -> str:
     """A table of the execution interface's members and the first sentence of each docstring."""
     rows = ["| member | what it does |", "| --- | --- |"]
-    for public, members in EXECUTION_INTERFACE.items():
-        owner = getattr(_import("distribute"), public.split(".", 1)[1])
+    for name in EXECUTION_INTERFACE:
+        owner = getattr(_import("distribute"), name)
         anchor = f"{owner.__module__}.{owner.__qualname__}"
-        for member in members:
+        for member in interface_members(owner):
             doc = summary(getattr(owner, member)).split(". ")[0].rstrip(".")
-            rows.append(f"| [`{owner.__name__}.{member}`](api/distribute.md#{anchor}.{member}) | {doc} |")
+            rows.append(f"| [`{name}.{member}`](api/distribute.md#{anchor}.{member}) | {doc} |")
     return "\n".join(rows)
 
 
