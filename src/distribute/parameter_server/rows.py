@@ -253,8 +253,7 @@ class _Pass:
                 return M_LAZY
             return M_DENSE
         if ROWS not in kinds:  # only lazy broadcasts among the table-shaped inputs
-            if name in _SCATTERS and kinds[0] == LAZY and i not in self.dense_seeds and self._row_scatter(eqn) \
-                    and kinds[1] == DENSE and all(k == DENSE for k in kinds[2:]):
+            if name in _SCATTERS and kinds[0] == LAZY and i not in self.dense_seeds and self._row_scatter(eqn):
                 g = self._new_group()
                 self.groups[g].seeds.add(i)
                 self.groups[g].rows = self._shape(eqn.ins[0])[0]
@@ -267,12 +266,12 @@ class _Pass:
         g = self.gid[rows[0]]
         for a in rows[1:]:
             g = self.union(g, self.gid[a])
-        if name == "gather" and kinds[0] == ROWS and kinds[1] == DENSE and self._row_gather(eqn):
+        if name == "gather" and kinds[0] == ROWS and kinds[1] != ROWS and self._row_gather(eqn):
             self._index(g, eqn.ins[1])
             self.kind[eqn.outs[0]] = DENSE
             self.taint[eqn.outs[0]] = True
             return M_GATHER
-        if name in _SCATTERS and kinds[0] == ROWS and all(k == DENSE for k in kinds[1:]) and self._row_scatter(eqn):
+        if name in _SCATTERS and kinds[0] == ROWS and ROWS not in kinds[1:] and self._row_scatter(eqn):
             return self._scatter_into(eqn, g, probe=self.probe[eqn.ins[0]])
         if name in ELEMENTWISE and len(eqn.outs) == 1:
             shape = self._shape(rows[0])

@@ -70,15 +70,32 @@ class _Iterator:
         self._pending.extendleft(reversed(elements))
 
 
+class _PSHandles:
+    """The ps actor handles, each looked up by name on first use when given as a name."""
+
+    def __init__(self, handles: list, namespace: str | None) -> None:
+        self._handles, self._namespace = list(handles), namespace
+
+    def __getitem__(self, j: int) -> Any:
+        handle = self._handles[j]
+        if isinstance(handle, str):
+            import ray
+
+            handle = self._handles[j] = ray.get_actor(handle, namespace=self._namespace)
+        return handle
+
+
 class Worker(_Served):
     """One worker task (``/job:worker/replica:0/task:<i>``): runs scheduled steps (``("run", *run's arguments)`` on its channel)."""
 
     REQUESTS = ("run",)
 
-    def __init__(self, worker_index: int, ps_handles: list) -> None:
+    def __init__(self, worker_index: int, ps_handles: list, namespace: str | None = None) -> None:
+        """``ps_handles``: the ps actors, or their names in ``namespace`` (looked up on first use: a restartable
+        actor whose constructor arguments are plain values restarts without Ray's object store)."""
         self._index = worker_index
         self._name = f"worker {worker_index}"
-        self._ps = list(ps_handles)
+        self._ps = _PSHandles(ps_handles, namespace)
         self._programs: dict[int, Any] = {}
         self._iterators: dict[int, Any] = {}
         self._datasets: dict[int, Any] = {}  # built per-worker datasets: a fresh iterator per run
