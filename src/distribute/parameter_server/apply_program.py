@@ -87,23 +87,18 @@ def programs(registry: Any, optimizer: Any, variables: list, positions: list, st
     return [_trace(registry, optimizer, subset, grad_slices, step_pos, j, need, row_tables, ids, rows_mode=False)]
 
 
-def _row_of(registry: Any, var: Any, row_tables: dict) -> Any:
-    """The row table ``var`` updates by rows: itself, or the model variable of an optimizer slot colocated with one."""
-    if id(var) in row_tables:
-        return var
-    entry = registry.entry(var)
-    reference = None if entry is None else entry.reference
-    return reference if reference is not None and id(reference) in row_tables else None
-
-
 def _trace(registry, optimizer, subset, grad_slices, step_pos, j, need, row_tables, ids, rows_mode: bool) -> tuple:
     row_vars = [v for v in subset if id(v) in row_tables]
     r_of = {id(v): r for r, v in enumerate(row_vars)}
     sizes = [row_tables[id(v)][1] for v in row_vars]
 
     def row_index(var):
-        table = _row_of(registry, var, row_tables)
-        return -1 if table is None or id(table) not in r_of else r_of[id(table)]
+        """``r`` of the row table ``var`` is, or whose optimizer slot it is (colocated with it); else -1."""
+        if id(var) in r_of:
+            return r_of[id(var)]
+        entry = registry.entry(var)
+        reference = None if entry is None else entry.reference
+        return -1 if reference is None else r_of.get(id(reference), -1)
 
     def rows_of(var):
         r = row_index(var) if rows_mode else -1
