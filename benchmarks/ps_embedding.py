@@ -40,6 +40,7 @@ import sys
 import time
 from pathlib import Path
 
+os.environ.setdefault("KERAS_BACKEND", "jax")
 HERE = Path(__file__).resolve().parent
 BATCH, IDS, DIM, SAMPLES = 64, 4, 32, 8192
 OPTIMIZERS = ("sgd", "adagrad")
@@ -175,16 +176,22 @@ def child_tf(workers: int, rows: int, steps: int, warmup: int, max_seconds: floa
                                          tf_keras.layers.Flatten(), tf_keras.layers.Dense(1)])
             optimizer = tf_keras.optimizers.SGD(0.01) if name == "sgd" else tf_keras.optimizers.Adagrad(0.01)
             optimizer.build(model.trainable_variables)
-        loss_fn = tf_keras.losses.MeanSquaredError()
-
-        @tf.function
-        def step(iterator, model=model, optimizer=optimizer):
-            bx, by = next(iterator)
-            with tf.GradientTape() as tape:
-                loss = loss_fn(by, model(bx, training=True))
+        def replica_fn(bx, by, model=model, optimizer=optimizer):
+            with tf.GradientTape() as tape:  # MSE (a Keras loss object refuses the default reduction under TF PS)
+                loss = tf.reduce_mean(tf.square(by - model(bx, training=True)))
             grads = tape.gradient(loss, model.trainable_variables)
             optimizer.apply_gradients(zip(grads, model.trainable_variables))
             return loss
+
+        def make_step(replica_fn):
+            @tf.function
+            def step(iterator):  # the tutorial's step: strategy.run inside the scheduled function
+                bx, by = next(iterator)
+                return strategy.reduce("SUM", strategy.run(replica_fn, args=(bx, by)), axis=None)
+
+            return step
+
+        step = make_step(replica_fn)
 
         results = []
         done, seconds = _timed(lambda: results.append(coordinator.schedule(step, args=(iterator,))),

@@ -175,6 +175,39 @@ def test_a_table_larger_than_one_message(one_worker, monkeypatch):
     np.testing.assert_array_equal(table.numpy(), expected)
 
 
+def _ps_values(strategy, variables):
+    """Each variable's value as its ps hold it now (read there directly)."""
+    stored = {}
+    cluster = strategy.extended._cluster
+    for part in cluster.get_from_ps([ps.read_all.remote() for ps in cluster.ps]):
+        stored.update(part)
+    registry = strategy.extended._registry
+    return [np.concatenate([stored[s.key] for s in registry.entry(v).shards]) if len(registry.entry(v).shards) > 1
+            else stored[registry.entry(v).shards[0].key] for v in variables]
+
+
+def test_after_a_two_worker_fit_every_coordinator_read_is_the_ps_value(two_workers, monkeypatch):
+    # The reported fit (2 workers, SGD, validation) whose evaluate disagreed with its logs: after fit, every
+    # read on the coordinator (weights, optimizer state, metrics; the table refreshed only when read) is what
+    # the ps hold, and val_loss / evaluate are one device's evaluation of those weights.
+    strategy, _ = two_workers
+    monkeypatch.setattr(transfer, "EAGER_REFRESH_BYTES", 1024)  # the table is refreshed on read, not at join()
+    ids, y = _data()
+    with strategy.scope():
+        model = _model("sgd")
+    history = model.fit(ids, y, batch_size=8, epochs=3, steps_per_epoch=10, verbose=0, validation_data=(ids, y))
+    variables = model.weights + model.optimizer.variables + [v for m in model.metrics for v in m.variables]
+    assert strategy.extended._registry.entry(model.layers[0].embeddings).stale
+    for got, stored in zip([np.asarray(v.numpy()) for v in variables], _ps_values(strategy, variables)):
+        np.testing.assert_array_equal(got, stored)
+    assert int(model.optimizer.iterations.numpy()) == 30
+    reference = _model("sgd")
+    reference.set_weights(model.get_weights())
+    want = reference.evaluate(ids, y, batch_size=8, verbose=0)
+    np.testing.assert_allclose(history.history["val_loss"][-1], want[0], rtol=1e-6)
+    np.testing.assert_allclose(model.evaluate(ids, y, batch_size=8, verbose=0), want, rtol=1e-6)
+
+
 def _counting(strategy, coordinator):
     with strategy.scope():
         table = keras.Variable(np.zeros((ROWS, 2), np.float32), name="counted")
