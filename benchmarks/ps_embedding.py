@@ -64,18 +64,21 @@ def _rss_mb(pid: int | None = None) -> float:
 
 
 def _timed(schedule, join, steps: int, warmup: int, max_seconds: float) -> tuple[int, float]:
-    for _ in range(warmup):
+    """Warm up (pairs of steps, joined), then time ``steps`` steps and a join; fewer when the warm-up says
+    ``steps`` would take longer than ``max_seconds`` (whole tens, at least 10)."""
+    t0, warmed = time.perf_counter(), 0
+    while warmed < warmup and (warmed < 2 or time.perf_counter() - t0 < max_seconds / 2):
+        schedule()
+        schedule()
+        join()
+        warmed += 2
+    per_step = (time.perf_counter() - t0) / warmed
+    steps = max(10, min(steps, int(max_seconds / per_step) // 10 * 10))
+    t0 = time.perf_counter()
+    for _ in range(steps):
         schedule()
     join()
-    done, t0 = 0, time.perf_counter()
-    while done < steps and (done == 0 or time.perf_counter() - t0 < max_seconds):
-        for _ in range(10):
-            schedule()
-        done += 10
-        if time.perf_counter() - t0 > max_seconds / 2:  # slow: join each chunk to stop in time
-            join()
-    join()
-    return done, time.perf_counter() - t0
+    return steps, time.perf_counter() - t0
 
 
 # -- ours ------------------------------------------------------------------------------------------------------------

@@ -115,9 +115,10 @@ def measure(kb: int, steps: int, transports: list[str]) -> dict:
         times.sort()
         out[transport] = {"median_ms": statistics.median(times), "p90_ms": times[int(0.9 * len(times))]}
         if transport == "compiled_graph":
-            compiled.teardown()
-        ray.kill(worker)
-        ray.kill(ps)
+            compiled.teardown(kill_actors=True)  # a plain teardown can hang on a loaded machine
+        else:
+            ray.kill(worker)
+            ray.kill(ps)
     return out
 
 

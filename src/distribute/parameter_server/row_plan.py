@@ -70,6 +70,7 @@ class RowPlan:
     ids_box: list
     ids_inputs: tuple  # positions in the step's inputs (read variables, then elements, then array args)
     ids_groups: tuple  # per ids-program output: its group
+    ids_direct: tuple  # per ids-program output: the input position it is, or -1; all inputs: the program is skipped
     num_read: int
     tables: tuple  # RowTable, in the row program's input order
     groups: tuple  # RowGroup

@@ -83,6 +83,7 @@ def build(fn: Any, analysis: Any, registry: Any, read_vars: list, avals: tuple, 
         ids_box=[ray.put(ids_exported.serialize())],
         ids_inputs=tuple(ids_inputs),
         ids_groups=tuple(k for k, _ in rows_program.id_vars(analysis)),
+        ids_direct=tuple(_input_position(analysis, var) for _, var in rows_program.id_vars(analysis)),
         num_read=len(read_avals),
         tables=tuple(tables),
         groups=groups,
@@ -90,6 +91,13 @@ def build(fn: Any, analysis: Any, registry: Any, read_vars: list, avals: tuple, 
     )
     row_tables = {id(read_vars[t]): (table_index[t], sizes[group_of[t]]) for t in positions}
     return exported, plan, row_tables
+
+
+def _input_position(analysis: Any, var: int) -> int:
+    """The step input the ids ``var`` looks up with are (an element, an array argument), or -1 (computed)."""
+    raw = analysis.raw_ids[var]
+    invars = analysis.flat.invars
+    return invars.index(raw) if raw in invars else -1
 
 
 def _grad_table(analysis: Any, pos: int) -> int:

@@ -380,7 +380,7 @@ def _raw_ids(producer: dict, index: int) -> int:
         if eqn is None:
             return index
         name = eqn.prim.name
-        if name in ("broadcast_in_dim", "reshape", "convert_element_type") and not isinstance(eqn.ins[0], Const):
+        if name in ("broadcast_in_dim", "reshape") and not isinstance(eqn.ins[0], Const):
             var = eqn.ins[0]
             continue
         if name == "select_n" and len(eqn.ins) == 3 and not any(isinstance(a, Const) for a in eqn.ins):

@@ -37,8 +37,11 @@ def run(worker: Any, plan: Any, program: Any, read_vals: list, iter_vals: list, 
 
     rp = plan.rows
     inputs = [*read_vals, *iter_vals, *args]
-    ids_program = _load(worker._programs, rp.ids_program_id, rp.ids_box)
-    ids_outs = jax.device_get(list(ids_program(*[inputs[p] for p in rp.ids_inputs])))
+    if all(p >= 0 for p in rp.ids_direct):  # the ids are inputs (an Embedding of a batch): no program to run
+        ids_outs = [inputs[p] for p in rp.ids_direct]
+    else:
+        ids_program = _load(worker._programs, rp.ids_program_id, rp.ids_box)
+        ids_outs = jax.device_get(list(ids_program(*[inputs[p] for p in rp.ids_inputs])))
     state = _distinct(rp, ids_outs, worker._index)
     table_rows = _read(worker, rp, state)
     others = [v for v in read_vals if v is not None] + list(iter_vals) + list(args)
