@@ -49,10 +49,9 @@ def connect(address: str | None) -> None:
         if ray.is_initialized():
             return
         if address is None:
-            from distribute.parameter_server.nodes import SYSTEM_CONFIG
+            from distribute.parameter_server.nodes import start_local_head
 
-            ray.init(address="local", include_dashboard=False, log_to_driver=False, configure_logging=False,
-                     _system_config=SYSTEM_CONFIG)
+            ray.init(address=start_local_head(), log_to_driver=False, configure_logging=False)
             _STARTED_RAY.append(True)
             atexit.register(_shutdown_ray)
         else:
@@ -120,7 +119,7 @@ class Cluster:
         ]
         self.workers = [
             worker_cls.options(name=f"worker-{i}", namespace=self.namespace, **_pin(resources, f"distribute_worker_{i}")).remote(
-                i, self.ps
+                i, [self.ps_name(j) for j in range(num_ps)], self.namespace
             )
             for i in range(num_workers)
         ]

@@ -39,6 +39,10 @@ def ps_lost(task_id: int) -> PSUnavailableError:
     return error
 
 
+class InvalidArgumentError(OpError, ValueError):
+    """An op got an invalid argument, e.g. a row id outside its table (TF: ``tf.errors.InvalidArgumentError``)."""
+
+
 class OutOfRangeError(OpError):
     """A worker's dataset iterator is exhausted (TF: ``tf.errors.OutOfRangeError``)."""
 

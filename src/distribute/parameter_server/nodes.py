@@ -60,7 +60,7 @@ SYSTEM_CONFIG = {"max_direct_call_object_size": 1 << 20}
 
 logger = logging.getLogger("distribute")
 
-__all__ = ["Server", "node_resource", "start_or_join_head", "wait_for_tasks"]
+__all__ = ["Server", "node_resource", "start_local_head", "start_or_join_head", "wait_for_tasks"]
 
 _HEAD_RESOURCE = "distribute_chief"
 _POLL_SECONDS = 0.2
@@ -98,13 +98,28 @@ def _ray_cli() -> list[str]:
     return [sys.executable, "-c", "import sys; from ray.scripts.scripts import main; sys.argv[0] = 'ray'; main()"]
 
 
-def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
-    try:
-        import ctypes
+# A child of a process that runs JAX's threads must not run Python between fork and exec (a
+# ``preexec_fn``: a lock another thread held at the fork, e.g. the dynamic loader's, never
+# opens in the child; JAX warns "os.fork() was called ... will likely lead to a deadlock").  So
+# the child execs a fresh Python first, which asks to die with its parent (PR_SET_PDEATHSIG,
+# kept across exec), checks that the parent is still the one that started it, then execs Ray.
+_TRAMPOLINE = (
+    "import ctypes, os, signal, sys\n"
+    "try:\n"
+    "    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)\n"
+    "except (OSError, AttributeError):\n"
+    "    pass\n"
+    "if os.getppid() != int(sys.argv[1]):\n"
+    "    sys.exit(1)\n"
+    "os.execv(sys.argv[2], sys.argv[2:])\n"
+)
 
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
+
+def _spawned(command: list[str]) -> list[str]:
+    """``command`` started through the trampoline (Linux: dies with this process); as it is elsewhere."""
+    if not sys.platform.startswith("linux"):
+        return command
+    return [sys.executable, "-c", _TRAMPOLINE, str(os.getpid()), *command]
 
 
 def _ray_environment(who: str) -> dict[str, str]:
@@ -152,9 +167,8 @@ class _RayStart:
 
     def __init__(self, args: list[str], env: Mapping[str, str]):
         args = [*args, *_port_options("--head" in args)]
-        preexec = _die_with_parent if sys.platform.startswith("linux") else None
-        self.proc = subprocess.Popen([*_ray_cli(), *args], env=dict(env), stdin=subprocess.DEVNULL,
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, preexec_fn=preexec)
+        self.proc = subprocess.Popen(_spawned([*_ray_cli(), *args]), env=dict(env), stdin=subprocess.DEVNULL,
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         self.started = threading.Event()
         self.last_lines: collections.deque[str] = collections.deque(maxlen=20)  # for error messages
         threading.Thread(target=self._pump, daemon=True).start()
@@ -245,6 +259,47 @@ def start_or_join_head(chief_address: str, timeout_seconds: float = 120.0) -> st
                 f"yourself with `ray start --head --port={port}`. Ray's last output:\n{head.output_tail()}"
             )
     return chief_address
+
+
+def start_local_head(timeout_seconds: float = 180.0) -> str:
+    """Starts a Ray head on this machine for an embedded ParameterServerStrategy; returns its address.
+
+    ``ray start --head --block`` on a free loopback port, a child of this process
+    (stopped at exit, and with this process), started without running Python
+    between fork and exec (``_spawned``), so a coordinator that already runs JAX
+    forks safely; ``ray.init(address="local")`` would start Ray's processes with
+    a ``preexec_fn``.  ``RAY_AUTH_MODE`` unset becomes ``token`` (what Ray chooses
+    for a new local cluster, said here instead of in Ray's start-up notice).
+
+    Raises:
+        RuntimeError: the head did not come up within ``timeout_seconds``.
+    """
+    if _env.read("RAY_AUTH_MODE") is None:
+        _choose_token_auth()
+    env = _ray_environment("ParameterServerStrategy")
+    _ensure_token(env)
+    (port,) = free_ports(1, host="127.0.0.1")
+    with _one_start_at_a_time(port):
+        head = _RayStart(["start", "--head", "--block", f"--port={port}", "--node-ip-address=127.0.0.1",
+                          "--include-dashboard=false", "--disable-usage-stats",
+                          f"--system-config={json.dumps(SYSTEM_CONFIG)}"], env)
+        atexit.register(_stop_head, head.proc, port)
+        if not head.wait_started(timeout_seconds):
+            _stop(head.proc)
+            raise RuntimeError(
+                f"ParameterServerStrategy: the local Ray head did not start within {timeout_seconds} s (exit status "
+                f"{head.proc.returncode}). Ray's last output:\n{head.output_tail()}"
+            )
+    return f"127.0.0.1:{port}"
+
+
+def _choose_token_auth() -> None:
+    """Token authentication for this process and its children, as ``ray.init()`` turns it on for a new local
+    cluster (Ray's ``_enable_token_auth``: the variable, then Ray's configuration re-read), without its notice."""
+    os.environ["RAY_AUTH_MODE"] = "token"
+    from ray._private.authentication import authentication_token_setup
+
+    authentication_token_setup._enable_token_auth()
 
 
 def _stop_head(head: subprocess.Popen, port: int) -> None:

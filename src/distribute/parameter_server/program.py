@@ -22,7 +22,6 @@ then, as TF creates slots at trace time, and retraced with.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import itertools
 from collections.abc import Callable
@@ -32,20 +31,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from distribute.keras_support.ps_hooks import (
-    KerasVariable,
-    PSApplyScope,
-    PSTraceScope,
-    initialize_all_variables,
-    without_clipping,
-)
+from distribute.keras_support.ps_hooks import KerasVariable, PSTraceScope, initialize_all_variables
 from distribute.lifting import check_ownership
 
 ITER, ARRAY, STATIC = 0, 1, 2
 _IDS = itertools.count()
-# Optimizers whose update is elementwise, so a ps may update the rows it holds of a
-# partitioned variable on its own.
-_ELEMENTWISE_OPTIMIZERS = {"SGD", "Adam", "AdamW", "Adagrad", "Adadelta", "Adamax", "Nadam", "RMSprop", "Ftrl", "Lion", "Lamb"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,7 +47,8 @@ class StepPlan:
     read: tuple  # per program variable input: ((ps, key), ...) concatenated on axis 0
     iterators: tuple  # (resource_id, number of next() calls, per element [(shape, dtype), ...])
     num_results: int
-    applies: tuple  # (ps, program_id, box, owned keys, written keys, foreign (ps, key)s or output position, grad slices)
+    applies: tuple  # (ps, program_id, box, owned keys, written keys, foreign (ps, key)s or output position, grad slices,
+    #                  row_plan.ApplyRows or None): apply_program.programs
     deltas: tuple  # (output position, ((ps, key, start, stop), ...))
     sets: tuple
     # The programs of one function and result structure, one per element signature, share a family:
@@ -66,6 +57,8 @@ class StepPlan:
     # Per iterator input, the element structure (treedef) the program unflattens each element with:
     # an element of another structure is a new signature (TF retraces), never read with this one.
     element_treedefs: tuple = ()
+    # The step's row tables (row_plan.RowPlan): read and updated by looked-up rows; None: every variable whole.
+    rows: Any = None
 
 
 @dataclasses.dataclass
@@ -163,7 +156,7 @@ def trace_step(strategy: Any, fn: Callable, treedef: Any, kinds: list, statics: 
             for k in range(n)
             for shape, dtype in spec_at(specs, k)
         ]
-        exported = _export(fn, body, read_avals, iter_avals, arg_avals)
+        closed = jax.make_jaxpr(body)(read_avals, iter_avals, arg_avals)
         initialize_all_variables()
         new = {i: v for i, v in {**record.missing, **record.written}.items() if i not in known}
         if new or record.counts != counts:
@@ -172,7 +165,8 @@ def trace_step(strategy: Any, fn: Callable, treedef: Any, kinds: list, statics: 
             continue
         check_ownership(strategy, read_vars + list(record.written.values()))
         strategy.extended._flush()
-        return _make_step(strategy, registry, exported, record, read_vars, iter_specs, counts)
+        return _make_step(strategy, registry, fn, closed, record, read_vars, iter_specs, counts,
+                          (read_avals, iter_avals, arg_avals))
     raise RuntimeError(
         f"tracing {getattr(fn, '__qualname__', fn)!r} for ClusterCoordinator.schedule did not settle: it keeps "
         "creating variables or calling next() a different number of times. Create variables before scheduling."
@@ -180,6 +174,7 @@ def trace_step(strategy: Any, fn: Callable, treedef: Any, kinds: list, statics: 
 
 
 def _export(fn, body, *avals):
+    """``jax.export`` of ``body`` at ``avals``; a host callback (``jax.debug.print``) is a clear error."""
     try:
         return jax.export.export(jax.jit(body))(*avals)
     except NotImplementedError as err:
@@ -242,9 +237,21 @@ def _as_output(x: Any) -> Any:
         ) from err
 
 
-def _make_step(strategy, registry, exported, record: _Record, read_vars, iter_specs, counts) -> Step:
+def _make_step(strategy, registry, fn, closed, record: _Record, read_vars, iter_specs, counts, avals) -> Step:
     import ray
 
+    from distribute.parameter_server import apply_program, row_step
+
+    index_of = {id(v): k for k, v in enumerate(read_vars)}
+    grad_vars = {pos: index_of[id(v)] for _, variables, positions, _ in record.applies
+                 for v, pos in zip(variables, positions) if id(v) in index_of}
+    analysis = row_step.analyze_step(closed, read_vars, grad_vars, registry)
+    rows, row_tables = None, {}
+    if analysis is None:
+        whole = jax.extend.core.jaxpr_as_fun(closed)
+        exported = _export(fn, lambda r, it, a: whole(*r, *it, *a), *avals)
+    else:
+        exported, rows, row_tables = row_step.build(fn, analysis, registry, read_vars, avals, _export, _IDS)
     program_id = next(_IDS)
     box = [ray.put(exported.serialize())]
     pull: dict[int, set] = {}
@@ -255,11 +262,12 @@ def _make_step(strategy, registry, exported, record: _Record, read_vars, iter_sp
             pull.setdefault(j, set()).add(k)
         return keys
 
-    read = tuple(need(v) for v in read_vars)
+    read = tuple(None if id(v) in row_tables else need(v) for v in read_vars)
     applies = []
     for optimizer, variables, positions, step_pos in record.applies:
         for j in range(registry.num_ps):
-            applies.extend(_apply_programs(registry, optimizer, variables, positions, step_pos, j, need))
+            applies.extend(apply_program.programs(registry, optimizer, variables, positions, step_pos, j, need,
+                                                  row_tables, _IDS))
     deltas = tuple((record.num_results + _offset(record) + i, _targets(registry, v)) for i, v in enumerate(record.delta_vars))
     base = record.num_results + _offset(record) + len(record.delta_vars)
     sets = tuple((base + i, _targets(registry, v)) for i, v in enumerate(record.set_vars))
@@ -276,6 +284,7 @@ def _make_step(strategy, registry, exported, record: _Record, read_vars, iter_sp
         deltas=deltas,
         sets=sets,
         element_treedefs=tuple(el_treedef for _, el_treedef, _ in iter_specs),
+        rows=rows,
     )
     return Step(plan=plan, box=box, out_tree=record.out_tree)
 
@@ -304,116 +313,3 @@ def _targets(registry, var) -> tuple:
     if len(shards) == 1:
         return ((shards[0].ps, shards[0].key, None, None),)
     return tuple((s.ps, s.key, s.start, s.stop) for s in shards)
-
-
-def _local(registry, var, j) -> tuple[list, tuple | None]:
-    """The shards of ``var`` on ps ``j`` and their row bounds (None: the whole variable)."""
-    shards = registry.entry(var).shards
-    mine = [s for s in shards if s.ps == j]
-    if len(mine) == len(shards):
-        return mine, None
-    return mine, tuple((s.start, s.stop) for s in mine)
-
-
-def _apply_programs(registry, optimizer, variables, positions, step_pos, j, need) -> list:
-    subset, grad_slices, grad_avals = [], [], []
-    for var, pos in zip(variables, positions):
-        mine, bounds = _local(registry, var, j)
-        if not mine:
-            continue
-        rows = sum(s.stop - s.start for s in mine) if bounds else var.shape[0] if var.shape else None
-        subset.append(var)
-        grad_slices.append((pos, bounds))
-        shape = tuple(var.shape) if bounds is None else (rows, *var.shape[1:])
-        grad_avals.append(jax.ShapeDtypeStruct(shape, var.dtype))
-        if bounds is not None and type(optimizer).__name__ not in _ELEMENTWISE_OPTIMIZERS:
-            raise NotImplementedError(
-                f"optimizer {type(optimizer).__name__!r} updates the partitioned variable '{var.path}', whose rows "
-                "live on several parameter servers; only elementwise optimizers "
-                f"({', '.join(sorted(_ELEMENTWISE_OPTIMIZERS))}) can update partitions separately. Use one of them, "
-                "or create the strategy without a variable_partitioner."
-            )
-    if not subset:
-        return []
-    # Seed the discovery with what an update reads (the variables, their slots, the step counter
-    # and learning rate), so that the first trace already sees this ps's rows of partitioned ones.
-    # The step counter is always an input: the count the worker's step saw (output step_pos).
-    owned: dict[int, Any] = {id(v): v for v in subset}
-    foreign: dict[int, Any] = {id(optimizer._iterations): optimizer._iterations}
-    for var in optimizer.variables:
-        entry = registry.entry(var)
-        if entry is None or var is optimizer._iterations:
-            continue
-        if _local(registry, var, j)[0]:
-            owned.setdefault(id(var), var)
-        elif var is getattr(optimizer, "_learning_rate", None):
-            foreign[id(var)] = var
-    for _ in range(6):
-        owned_vars, foreign_vars = list(owned.values()), list(foreign.values())
-        written_out: list = []
-        missing: dict = {}
-        bad_writes: list = []
-
-        def body(owned_vals, foreign_vals, grads):
-            mapping = {id(v): x for v, x in zip(owned_vars, owned_vals)}
-            mapping.update({id(v): x for v, x in zip(foreign_vars, foreign_vals)})
-            scope = PSApplyScope(mapping)
-            with without_clipping(optimizer), _row_shapes(registry, owned_vars, j), scope:
-                optimizer.apply(list(grads), subset)
-            missing.update(scope.missing)
-            outs = []
-            for i, var in scope.written.items():
-                if var is optimizer._iterations:
-                    continue  # the worker's step adds 1, once per step
-                if i not in owned:
-                    bad_writes.append(var)
-                    continue
-                written_out.append(var)
-                outs.append(jnp.asarray(scope.state_mapping[i], var.dtype))
-            return outs
-
-        owned_avals = [_local_aval(registry, v, j) for v in owned_vars]
-        foreign_avals = [jax.ShapeDtypeStruct(tuple(v.shape), v.dtype) for v in foreign_vars]
-        exported = jax.export.export(jax.jit(body))(owned_avals, foreign_avals, grad_avals)
-        new = {i: v for i, v in missing.items() if i not in owned and i not in foreign}
-        new.update({id(v): v for v in bad_writes if id(v) not in owned and id(v) not in foreign and _local(registry, v, j)[0]})
-        if new:
-            for i, v in new.items():
-                (owned if _local(registry, v, j)[0] else foreign)[i] = v
-            continue
-        if bad_writes:
-            raise NotImplementedError(
-                f"optimizer {type(optimizer).__name__!r} writes '{bad_writes[0].path}' while updating the variables "
-                f"of ps {j}, but that variable lives on another ps; ParameterServerStrategy supports optimizers "
-                "that update only a variable and its slots (and the step counter)."
-            )
-        import ray
-
-        owned_keys = tuple(tuple(s.key for s in _local(registry, v, j)[0]) for v in owned_vars)
-        written_keys = tuple(tuple(s.key for s in _local(registry, v, j)[0]) for v in written_out)
-        foreign_keys = tuple(step_pos if v is optimizer._iterations else need(v) for v in foreign_vars)
-        return [(j, next(_IDS), [ray.put(exported.serialize())], owned_keys, written_keys, foreign_keys, tuple(grad_slices))]
-    raise RuntimeError(f"tracing the update of optimizer {optimizer.name!r} for ps {j} did not settle.")  # pragma: no cover
-
-
-@contextlib.contextmanager
-def _row_shapes(registry, variables, j):
-    """While an update is traced for ps ``j``, a partitioned variable has the shape of the rows ``j`` holds."""
-    saved = []
-    for var in variables:
-        aval = _local_aval(registry, var, j)
-        if tuple(aval.shape) != tuple(var.shape):
-            saved.append((var, var._shape))
-            var._shape = tuple(aval.shape)
-    try:
-        yield
-    finally:
-        for var, shape in saved:
-            var._shape = shape
-
-
-def _local_aval(registry, var, j) -> Any:
-    mine, bounds = _local(registry, var, j)
-    if bounds is None:
-        return jax.ShapeDtypeStruct(tuple(var.shape), var.dtype)
-    return jax.ShapeDtypeStruct((sum(s.stop - s.start for s in mine), *var.shape[1:]), var.dtype)

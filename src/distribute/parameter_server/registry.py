@@ -36,6 +36,8 @@ class Entry:
     var: Any
     shards: tuple
     on_ps: bool = False
+    reference: Any = None  # the variable it is colocated with (an optimizer slot's model variable), or None
+    stale: bool = False  # the coordinator's copy may be older than the ps's (refreshed on the next read)
 
 
 def ps_device(task: int) -> str:
@@ -66,7 +68,9 @@ class VariableRegistry:
         variable of the same shape, else round-robin (partitioned when the
         strategy's partitioner says so)."""
         reference = self._entries.get(id(colocate_with)) if colocate_with is not None else None
-        if reference is not None and tuple(colocate_with.shape) == tuple(var.shape):
+        if reference is not None and tuple(colocate_with.shape) != tuple(var.shape):
+            reference = None
+        if reference is not None:
             shards = tuple(Shard(next(self._keys), s.ps, s.start, s.stop) for s in reference.shards)
         else:
             shape = tuple(var.shape)
@@ -75,7 +79,7 @@ class VariableRegistry:
                 shards = (Shard(next(self._keys), self._next_ps(), None, None),)
             else:
                 shards = tuple(Shard(next(self._keys), self._next_ps(), a, b) for a, b in div_split(shape[0], count))
-        entry = Entry(var=var, shards=shards)
+        entry = Entry(var=var, shards=shards, reference=colocate_with if reference is not None else None)
         self._entries[id(var)] = entry
         return entry
 

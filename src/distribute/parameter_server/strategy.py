@@ -22,6 +22,7 @@ import jax.numpy as jnp
 
 from distribute import _context
 from distribute.keras_support import patches, ps_hooks
+from distribute.parameter_server import transfer
 from distribute.parameter_server.registry import VariableRegistry, ps_device
 from distribute.replica import ReplicaContext
 from distribute.extended import StrategyExtended
@@ -112,9 +113,11 @@ class ParameterServerStrategyExtended(StrategyExtended):
     def _before_read(self, var: Any) -> None:
         """A read of ``var`` on the coordinator (not while a scheduled function is traced) sees its ps's value.
 
-        TF reads the ps.  Here the coordinator keeps copies, refreshed after closures
-        finished (as ``fetch`` does: one read of every ps); while closures are
-        queued or running, the read asks ``var``'s ps for its current value.
+        TF reads the ps.  Here the coordinator keeps copies: after closures
+        finished (``join``, ``fetch``) small ones are refreshed at once and larger
+        ones (``transfer.EAGER_REFRESH_BYTES``) are marked stale and read when read
+        here; while closures are queued or running, the read asks ``var``'s ps for
+        its current value.
         """
         coordinator = self._container_strategy._cluster_coordinator
         if _SCHEDULING.get() or coordinator is None or self._cluster is None or not self._cluster.alive:
@@ -123,26 +126,19 @@ class ParameterServerStrategyExtended(StrategyExtended):
         if entry is None or not entry.on_ps:
             return
         if coordinator._queue.busy():
-            self._refresh_entry(entry)
-        else:
-            coordinator._refresh_after_progress()
-
-    def _refresh_entry(self, entry: Any) -> None:
-        per_ps: dict[int, list] = {}
-        for shard in entry.shards:
-            per_ps.setdefault(shard.ps, []).append(shard.key)
-        got = self._cluster.get_from_ps([self._cluster.ps[j].peek.remote(tuple(keys)) for j, keys in per_ps.items()])
-        values = {key: value for keys, vals in zip(per_ps.values(), got) for key, value in zip(keys, vals)}
-        self._registry.set_local(entry, self._registry.assemble(entry, values))
+            transfer.pull(self._cluster, self._registry, [entry])
+            return
+        coordinator._refresh_after_progress()
+        if entry.stale:
+            transfer.pull(self._cluster, self._registry, [entry])
 
     def _on_assign(self, var: Any) -> None:
         """A coordinator-side assignment (set_weights, restore, reset_state): pushed to the ps at once."""
         entry = self._registry.entry(var)
         if entry is None or not entry.on_ps or self._cluster is None:
             return
-        parts = self._registry.shard_values(entry, var._value)
-        versions = self._cluster.get_from_ps([self._cluster.ps[j].create.remote(vals) for j, vals in parts.items()])
-        self._cluster.observe(dict(zip(parts, versions)))
+        transfer.push(self._cluster, self._registry, [(entry, var._value)])
+        entry.stale = False
 
     def _flush(self) -> None:
         """Sends every variable not yet on its ps there (initial values)."""
@@ -150,25 +146,17 @@ class ParameterServerStrategyExtended(StrategyExtended):
             pending = self._registry.pending()
             if not pending:
                 return
-            per_ps: dict[int, dict] = {}
-            for entry in pending:
-                for j, vals in self._registry.shard_values(entry, entry.var._value).items():
-                    per_ps.setdefault(j, {}).update(vals)
-            versions = self._cluster.get_from_ps([self._cluster.ps[j].create.remote(vals) for j, vals in per_ps.items()])
-            self._cluster.observe(dict(zip(per_ps, versions)))
+            transfer.push(self._cluster, self._registry, [(entry, entry.var._value) for entry in pending])
             for entry in pending:
                 entry.on_ps = True
 
     def _refresh(self) -> None:
-        """Reads every variable back from the ps into the coordinator's copies."""
+        """After closures finished: the coordinator's copies of small variables are read from the ps; larger ones
+        are marked stale (read when read on the coordinator)."""
         entries = [e for e in self._registry.entries() if e.on_ps]
-        if not entries:
-            return
-        values: dict = {}
-        for part in self._cluster.get_from_ps([ps.read_all.remote() for ps in self._cluster.ps]):
-            values.update(part)
         for entry in entries:
-            self._registry.set_local(entry, self._registry.assemble(entry, values))
+            entry.stale = True
+        transfer.pull(self._cluster, self._registry, [e for e in entries if transfer.nbytes(e.var) <= transfer.EAGER_REFRESH_BYTES])
 
     def keras_fit(self, model: Any, args: tuple, kwargs: dict) -> Any:
         """``model.fit(*args, **kwargs)`` under this strategy (called by the Keras seam, ``ps_hooks``)."""

@@ -128,9 +128,13 @@ class ShardedVariable:
     another number of shards, or into an unpartitioned variable (TF's
     ``SaveSliceInfo`` behaviour).  Iterating yields the shards (TF).
 
+    In a scheduled function that only looks rows up (``Embedding``,
+    ``keras.ops.take(v, ids, axis=0)``, ``v[ids]``) a worker reads just those rows
+    from the shards that hold them and each shard's ps updates just those rows
+    (TF's per-shard gather; see ``row_plan.py``); otherwise it reads the whole value.
+
     Differences from TF: a Keras layer lists the variable once in ``.weights``
-    (TF lists each shard); workers read the whole value in a scheduled function
-    (no per-shard gather); there is no ``scatter_*``/``sparse_read``.
+    (TF lists each shard); there is no ``scatter_*``/``sparse_read`` method.
 
     Raises:
         TypeError: ``variables`` is not a non-empty list of Keras variables.

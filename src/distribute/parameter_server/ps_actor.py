@@ -1,0 +1,213 @@
+"""The ps actor: holds variable shards (``/job:ps/replica:0/task:<j>``) and applies updates as they arrive.
+
+See ``actors.py`` for how ps and workers work together, ``row_plan.py`` for row reads and row updates.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+from typing import Any
+
+import numpy as np
+
+from distribute.parameter_server.actor_common import _load, _locked, _rows, _Served
+from distribute.parameter_server.row_plan import local_rows
+
+# A re-run closure reaches the ps within seconds of the failure; remembering the last
+# 2**16 applied closures (about 4 MB) covers that with a wide margin.
+_REMEMBERED_CLOSURES = 1 << 16
+
+
+class ParameterServer(_Served):
+    """Holds variable storage keys -> arrays of one ps task (``/job:ps/replica:0/task:<j>``).
+
+    Its workers reach it through its channel (``channel.py``: ``read``, ``rows``
+    and ``update`` requests); the coordinator and program loads through Ray.  A
+    lock makes each of them atomic.  Stored arrays are replaced by whole updates;
+    a row update writes the rows of a private copy in place (``_writable``), so
+    a whole reply of such an array is a copy taken under the lock (a reply is
+    sent after the lock is released).
+    """
+
+    REQUESTS = ("read", "rows", "update")
+
+    def __init__(self, task_id: int) -> None:
+        self._task_id = task_id
+        self._name = f"ps {task_id}"
+        self._lock = threading.Lock()
+        self._values: dict[int, np.ndarray] = {}
+        self._programs: dict[int, Any] = {}
+        self._num_updates = 0
+        self._version = 0  # mutations so far (applied updates, creates)
+        self._num_reads = 0
+        self._applied: set[int] = set()
+        self._applied_order: collections.deque[int] = collections.deque()
+        self._private: set[int] = set()  # keys whose array is this ps's own copy, written in place by row updates
+        self._server: Any = None
+
+    def ping(self) -> int:
+        return self._task_id
+
+    @_locked
+    def create(self, values: dict) -> int:
+        """Stores ``values`` (key -> array); returns this ps's version after the write."""
+        for key, value in values.items():
+            self._replace(key, np.asarray(value))
+        self._version += 1
+        return self._version
+
+    @_locked
+    def write_rows(self, key: int, start: int, rows: Any, shape: tuple, dtype: str) -> int:
+        """Writes ``rows`` at ``start`` of ``key``'s value (created as zeros of ``shape`` if new or of another shape).
+
+        The coordinator sends a large value in pieces of at most one message
+        (``cluster.MAX_MESSAGE_BYTES``) this way.  Returns the version after the write.
+        """
+        current = self._values.get(key)
+        if current is None or tuple(current.shape) != tuple(shape) or current.dtype != np.dtype(dtype):
+            self._replace(key, np.zeros(shape, dtype))
+        self._writable(key)[start : start + len(rows)] = rows
+        self._version += 1
+        return self._version
+
+    @_locked
+    def read(self, keys: tuple) -> list:
+        self._num_reads += 1
+        return [self._whole(k) for k in keys]
+
+    @_locked
+    def rows(self, requests: list) -> list:
+        """The rows ``local ids`` of each ``(key, local ids)`` (a step's row read)."""
+        return [self._values[key][ids] for key, ids in requests]
+
+    @_locked
+    def peek(self, keys: tuple, start: int = 0, stop: int | None = None) -> list:
+        """The values of ``keys`` (rows ``[start, stop)`` of each) for the coordinator (not counted in ``num_reads``)."""
+        if start == 0 and stop is None:
+            return [self._whole(k) for k in keys]
+        return [np.array(self._values[k][start:stop]) for k in keys]
+
+    def _whole(self, key: int) -> np.ndarray:
+        value = self._values[key]
+        return value.copy() if key in self._private else value
+
+    def _replace(self, key: int, value: np.ndarray) -> None:
+        self._values[key] = value
+        self._private.discard(key)
+
+    def _writable(self, key: int) -> np.ndarray:
+        """``key``'s array, made this ps's own (a copy, once) so that rows can be written in place."""
+        if key not in self._private:
+            self._values[key] = np.array(self._values[key], copy=True)
+            self._private.add(key)
+        return self._values[key]
+
+    def num_reads(self) -> int:
+        """How many ``read`` calls (a worker's pulls; a step that reads a push's read-back makes none)."""
+        return self._num_reads
+
+    @_locked
+    def read_all(self, keys: Any = None) -> dict:
+        """Key -> value of every stored variable (of ``keys`` only, when given)."""
+        return {k: self._whole(k) for k in (self._values if keys is None else keys)}
+
+    @_locked
+    def sizes(self) -> dict:
+        """Key -> bytes of every stored value."""
+        return {k: int(v.nbytes) for k, v in self._values.items()}
+
+    def num_updates(self) -> int:
+        return self._num_updates
+
+    @_locked
+    def load(self, program_id: int, box: list) -> None:
+        """Deserializes an apply program a worker sends once, before its first update that uses it."""
+        _load(self._programs, program_id, box)
+
+    @_locked
+    def update(self, closure_id: int, applies: list, deltas: list, sets: list, read_back: tuple | None = None) -> Any:
+        """Applies one step's updates: optimizer programs, then additive deltas, then sets.
+
+        ``applies``: ``(program id, owned keys, written keys, foreign values,
+        gradients, rows)`` per program, each loaded before; ``rows``: None, or
+        ``(ApplyRows, the sorted ids of each of its tables on this ps)`` (a row
+        gradient is those ids' rows).  A second update for the
+        same ``closure_id`` (a re-run closure) is skipped.  Returns ``(version,
+        values of the read_back keys or None)`` after the update.
+        """
+        if closure_id not in self._applied:
+            self._apply(closure_id, applies, deltas, sets)
+        return self._version, None if read_back is None else [self._whole(k) for k in read_back]
+
+    def _apply(self, closure_id: int, applies: list, deltas: list, sets: list) -> None:
+        self._applied.add(closure_id)
+        self._applied_order.append(closure_id)
+        if len(self._applied_order) > _REMEMBERED_CLOSURES:
+            self._applied.discard(self._applied_order.popleft())
+        for program_id, owned, written, foreign_vals, grads, rows in applies:
+            program = _load(self._programs, program_id, None)
+            if rows is not None:
+                self._apply_rows(program, owned, written, list(foreign_vals), list(grads), *rows)
+                continue
+            owned_vals = [_rows([self._values[k] for k in keys]) for keys in owned]
+            self._write(written, program(owned_vals, list(foreign_vals), list(grads)))
+        for key, delta in deltas:
+            self._replace(key, np.asarray(self._values[key] + np.asarray(delta, self._values[key].dtype)))
+        for key, value in sets:
+            self._replace(key, np.asarray(value, self._values[key].dtype))
+        self._num_updates += 1
+        self._version += 1
+
+    def _write(self, written: tuple, new_vals: list) -> None:
+        for keys, value in zip(written, new_vals):
+            value = np.asarray(value)
+            start = 0
+            for key in keys:
+                stop = start + self._values[key].shape[0] if len(keys) > 1 else None
+                self._replace(key, value if stop is None else value[start:stop])
+                start = stop or 0
+
+    def _apply_rows(self, program: Any, owned: tuple, written: tuple, foreign_vals: list, grads: list, meta: Any,
+                    ids: list) -> None:
+        """One apply program with row tables (``row_plan.ApplyRows``); ``ids[r]``: the sorted ids of table ``r`` here."""
+        def local(keys, r):
+            return [local_rows(ids[r], start, len(self._values[k])) for k, start in zip(keys, meta.starts[r])]
+
+        for g, r in enumerate(meta.grads):
+            if r < 0:
+                continue
+            if meta.mode == "rows":
+                grads[g] = _padded(np.asarray(grads[g]), meta.sizes[r])
+            else:  # the whole gradient of the rows here: zeros but at the looked-up rows
+                keys = owned[g]
+                dense = np.zeros((sum(len(self._values[k]) for k in keys), *np.shape(grads[g])[1:]), np.asarray(grads[g]).dtype)
+                offset, done = 0, 0
+                for k, rows_k in zip(keys, local(keys, r)):
+                    dense[offset + rows_k] = grads[g][done : done + len(rows_k)]
+                    offset, done = offset + len(self._values[k]), done + len(rows_k)
+                grads[g] = dense
+        owned_vals = []
+        for keys, r in zip(owned, meta.owned):
+            if r < 0:
+                owned_vals.append(_rows([self._values[k] for k in keys]))
+            else:
+                parts = [self._values[k][rows_k] for k, rows_k in zip(keys, local(keys, r))]
+                owned_vals.append(_padded(_rows(parts), meta.sizes[r]))
+        new_vals = program(owned_vals, foreign_vals, grads)
+        whole = [(keys, value) for keys, value, r in zip(written, new_vals, meta.written) if r < 0]
+        self._write(tuple(k for k, _ in whole), [v for _, v in whole])
+        for keys, value, r in zip(written, new_vals, meta.written):
+            if r < 0:
+                continue
+            value, done = np.asarray(value), 0
+            for k, rows_k in zip(keys, local(keys, r)):
+                self._writable(k)[rows_k] = value[done : done + len(rows_k)]
+                done += len(rows_k)
+
+
+def _padded(rows: np.ndarray, size: int) -> np.ndarray:
+    """``rows`` with zero rows after them up to ``size`` (a row program's fixed row count)."""
+    if len(rows) == size:
+        return rows
+    return np.concatenate([rows, np.zeros((size - len(rows), *rows.shape[1:]), rows.dtype)], axis=0)
