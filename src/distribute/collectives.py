@@ -158,12 +158,15 @@ def all_program(sharding: Any) -> Callable:
     return jax.jit(lambda arrays: list(arrays), out_shardings=sharding)
 
 
-def sum_over_replicas(strategy: Any, columns: list[list]) -> list[list]:
-    """``columns[i]``: this worker's per-device values of leaf ``i`` -> per local device, the sums."""
+def sum_over_replicas(strategy: Any, columns: list[list], check: bool = True) -> list[list]:
+    """``columns[i]``: this worker's per-device values of leaf ``i`` -> per local device, the sums.
+
+    ``check``: first exchange every replica's shapes (not needed where the workers agreed on them).
+    """
     if not columns:
         return [[] for _ in strategy.extended.replica_mesh.local_devices]
     ext = strategy.extended
-    for every in shapes_everywhere(strategy, columns, "an all_reduce of an uneven step"):
+    for every in shapes_everywhere(strategy, columns, "an all_reduce of an uneven step") if check else []:
         shapes, dtypes = sorted({shape for shape, _ in every}), sorted({dtype for _, dtype in every})
         if len(shapes) > 1 or len(dtypes) > 1:
             raise ValueError(

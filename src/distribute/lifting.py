@@ -75,7 +75,10 @@ class LiftingScope(StatelessScope):
             value = self.state_mapping[id(variable)] = local_value(variable, self.device)
         if value is None:
             self.missing[id(variable)] = variable
-            if self.placeholders and variable._value is not None:
+            if self.placeholders or variable._value is None:
+                # A placeholder (a discovery trace), or a variable created by this very trace (a model
+                # built lazily by its first step) whose value Keras defers: zeros of its shape, never
+                # None, which Keras' own reads (a regularizer of ``model.losses``) cannot take.
                 value = jnp.zeros(variable.shape, variable.dtype)
         return value
 

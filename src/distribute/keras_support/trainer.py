@@ -41,6 +41,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from distribute.mesh import AXIS
 from distribute import _context, collectives
 from distribute import spmd, uneven
+from distribute.engine.host import HostCollectives
 from distribute._keras import DataAdapter, JAXTrainer, Layer, Trainer, copy_thread_state, patch, tree
 from distribute.input.splitting import split_batch, split_counts
 from distribute.keras_support import steps
@@ -396,27 +397,32 @@ class _StepRunner:
         thread.start()
 
     def _run_uneven(self, treedef: Any, leaves: list, counts: np.ndarray, state: Any) -> tuple[Any, Any]:
-        """The exact uneven step: every replica runs ``step`` on its own rows, in its own thread."""
+        """The exact uneven step (``uneven.run_step``, as ``strategy.run``): every replica runs ``step`` on its own rows."""
         strategy, step = self.strategy, self._step(treedef)
+        mesh = strategy.extended.replica_mesh
+        first = mesh.devices.index(mesh.local_devices[0])
         starts = np.concatenate([[0], np.cumsum(counts)])
         state_leaves, state_tree = jax.tree_util.tree_flatten(state)
         local_state = [collectives.local_slices(x, strategy) for x in state_leaves]
+        inputs = [
+            [*(s[local] for s in local_state), *(jax.device_put(x[starts[first + local]: starts[first + local + 1]], device) for x in leaves)]
+            for local, device in enumerate(mesh.local_devices)
+        ]
+        num_state = len(state_leaves)
 
-        def body(context):
-            r, local = context._replica, context._local
-            rows = [jax.device_put(x[starts[r] : starts[r + 1]], context._device) for x in leaves]
-            replica_state = jax.tree_util.tree_unflatten(state_tree, [s[local] for s in local_state])
-            result, new = step(replica_state, rows)
-            if self.per_replica_result:
-                # Every replica's rows, in order, on every worker (as Keras' predict returns them).
-                result = context._gather_tree(result, 0)
-            return result, new
+        def function(record, *flat):
+            return step(jax.tree_util.tree_unflatten(state_tree, flat[:num_state]), list(flat[num_state:]))
 
-        results = uneven.run_replicas(strategy, body, counts.tolist())
+        results = [out for out, _ in uneven.run_step(strategy, function, inputs, counts.tolist(), ("fit", step))]
         new_state = [jax.tree_util.tree_leaves(new) for _, new in results]
         state = jax.tree_util.tree_unflatten(state_tree, [collectives.replicated_from_local(strategy, list(parts)) for parts in zip(*new_state)])
         if self.per_replica_result:
-            return tree.map_structure(np.asarray, results[0][0]), state
+            # Every replica's rows, in order, on every worker (as Keras' predict returns them).
+            pieces = [jax.tree_util.tree_leaves(result) for result, _ in results]
+            tree_def = jax.tree_util.tree_structure(results[0][0])
+            host = HostCollectives(strategy, counts.tolist())
+            gathered = host.gather([[np.asarray(x) for x in p] for p in pieces], 0)[0]
+            return jax.tree_util.tree_unflatten(tree_def, gathered), state
         return results[0][0], state
 
 
