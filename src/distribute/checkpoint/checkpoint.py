@@ -278,5 +278,5 @@ class Checkpoint:
             if not _state.is_optimizer(obj) or obj.built or len(saved.get(name, [])) <= len(obj.variables):
                 continue
             if trainable:
-                with _state.strategy_of(trainable).scope():
+                with _state.strategy_of(trainable).scope(), _state.outside_name_scopes():
                     obj.build(trainable)

@@ -30,7 +30,6 @@ from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.extend import core
 from jax.interpreters import batching
 
