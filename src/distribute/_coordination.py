@@ -125,8 +125,7 @@ def _join(cluster: _Cluster, timeout_seconds: float) -> Any:
         heartbeat_timeout=backstop,
         use_compression=True,
     )
-    never_joined = threading.Timer(seconds, _never_joined, args=(cluster, seconds))
-    never_joined.daemon = True
+    never_joined = _JoinWait(cluster, seconds)
     never_joined.start()
     try:
         state.client.connect()
@@ -199,6 +198,57 @@ def _never_joined(cluster: _Cluster, seconds: int) -> None:
         "(same TF_CONFIG cluster, reachable addresses), or raise the timeout.",
         EXIT_WORKER_LOST,
     )
+
+
+JOIN_REPORT_SECONDS = 30.0  # while the cluster forms, who is still missing is said this often (a third of a short timeout)
+
+
+class _JoinWait(threading.Thread):
+    """While this worker waits for the cluster to form: every ~30 s a warning naming who is still missing and
+    where; at the timeout, ``_never_joined`` (the main thread is blocked inside jaxlib meanwhile)."""
+
+    def __init__(self, cluster: _Cluster, seconds: int):
+        super().__init__(name="distribute-join-wait", daemon=True)
+        self._cluster, self._seconds = cluster, seconds
+        self._period = min(JOIN_REPORT_SECONDS, seconds / 3)
+        self._stopped = threading.Event()
+
+    def run(self) -> None:
+        start = time.monotonic()
+        while not self._stopped.wait(max(min(self._period, self._seconds - (time.monotonic() - start)), 0.0)):
+            waited = time.monotonic() - start
+            if waited >= self._seconds:
+                _never_joined(self._cluster, self._seconds)
+                return
+            logger.warning(_still_missing(self._cluster, waited, self._seconds))
+
+    def cancel(self) -> None:
+        self._stopped.set()
+
+
+def _still_missing(cluster: _Cluster, waited: float, seconds: int) -> str:
+    """Who this worker still waits for: the chief when its coordination service does not answer, else the others."""
+    me = cluster.names[cluster.worker_id]
+    head = f"{me} has waited {waited:.0f} s of {seconds} s (CommunicationOptions.timeout_seconds) for the cluster to form"
+    if cluster.worker_id != 0 and not _answers(cluster.coordinator):
+        return (f"{head}; still missing: {cluster.names[0]}, whose coordination service at {cluster.coordinator} does "
+                "not answer (not started, or not reachable from here).")
+    others = [name for i, name in enumerate(cluster.names) if i not in (0, cluster.worker_id)] if cluster.worker_id else list(cluster.names[1:])
+    which = others[0] if len(others) == 1 else f"one or more of {', '.join(others)}"
+    return f"{head}; still missing: {which} (not started, or not reachable)."
+
+
+def _answers(address: str | None) -> bool:
+    import socket
+
+    if not address:
+        return False
+    host, port = address.rsplit(":", 1)
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=2):
+            return True
+    except OSError:
+        return False
 
 
 def _stop_now(message: str, code: int) -> None:
