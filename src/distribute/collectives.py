@@ -143,8 +143,25 @@ def global_from_local(strategy: Any, values: list) -> jax.Array:
     return jax.make_array_from_single_device_arrays(shape, ext.replica_mesh.per_replica_sharding, shards)
 
 
+def local_buffers(array: jax.Array) -> dict:
+    """This worker's buffers of ``array``, by device.
+
+    Under several processes (jax 0.10, CPU), an array placed with ``jax.device_put``
+    on a replicated sharding of the global mesh refuses ``addressable_shards`` ("the
+    input arrays must have one shard each"); its first local copy is then copied to
+    this worker's other devices.
+    """
+    try:
+        return {s.device: s.data for s in array.addressable_shards}
+    except ValueError:
+        if not array.is_fully_replicated:
+            raise
+        first = array.addressable_data(0)
+        return {d: first if d in first.devices() else jax.device_put(first, d) for d in array.sharding.addressable_devices}
+
+
 def per_local_device(strategy: Any, array: jax.Array) -> list:
-    by_device = {s.device: s.data for s in array.addressable_shards}
+    by_device = local_buffers(array)
     return [by_device[d] for d in strategy.extended.replica_mesh.local_devices]
 
 
@@ -262,7 +279,7 @@ def local_slices(value: Any, strategy: Any) -> list:
     if isinstance(value, Mirrored):
         value = value._array
     if isinstance(value, jax.Array) and len(value.sharding.device_set) > 1:
-        by_device = {s.device: s.data for s in value.addressable_shards}
+        by_device = local_buffers(value)
         if all(d in by_device for d in ext.replica_mesh.local_devices):
             return [by_device[d] for d in ext.replica_mesh.local_devices]
     return [jax.device_put(value, d) for d in ext.replica_mesh.local_devices]

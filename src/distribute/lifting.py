@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from distribute import sync_on_read
+from distribute.collectives import local_buffers
 from distribute._keras import KerasVariable, StatelessScope
 from distribute.values import DistributedValues, Mirrored
 
@@ -112,11 +113,9 @@ def local_value(var: KerasVariable, device: Any) -> Any:
     """Variable ``var``'s copy on ``device`` (its replicated array's shard there; a SyncOnRead one's own copy)."""
     value = var._value
     if sync_on_read.tracked(var):
-        return next(s.data[0] for s in sync_on_read.copies(var).addressable_shards if s.device == device)
-    if isinstance(value, jax.Array):
-        for shard in value.addressable_shards:
-            if shard.device == device:
-                return shard.data
+        return local_buffers(sync_on_read.copies(var))[device][0]
+    if isinstance(value, jax.Array) and device in value.sharding.addressable_devices:
+        return local_buffers(value)[device]
     return jax.device_put(value, device)
 
 
