@@ -249,7 +249,8 @@ def gather_over_replicas(strategy: Any, columns: list[list], axis: int) -> list[
 def replicated_from_local(strategy: Any, per_device: list) -> jax.Array:
     """One replicated array from this worker's identical per-device copies."""
     ext = strategy.extended
-    per_device = [jax.device_put(jnp.asarray(v), d) for v, d in zip(per_device, ext.replica_mesh.local_devices)]
+    per_device = [v if isinstance(v, jax.Array) and v.committed and v.devices() == {d} else jax.device_put(jnp.asarray(v), d)
+                  for v, d in zip(per_device, ext.replica_mesh.local_devices)]
     return jax.make_array_from_single_device_arrays(per_device[0].shape, ext.replica_mesh.replicated_sharding, per_device)
 
 

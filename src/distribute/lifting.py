@@ -23,7 +23,7 @@ from distribute.values import DistributedValues, Mirrored
 
 SHARDED, REPLICATED, STATIC = 0, 1, 2
 ARRAY_OUT, SUMMED_OUT, STATIC_OUT = 0, 1, 2
-_FUSED_REDUCE_MAX_SIZE = 64  # elements per replica; bigger outputs are reduced on demand
+FUSED_REDUCE_MAX_SIZE = 64  # elements per replica; bigger outputs are reduced on demand
 
 
 class LiftingScope(StatelessScope):
@@ -93,7 +93,7 @@ def classify_outputs(out_leaves: list) -> tuple[list, list, list]:
             statics.append(x)
             continue
         x = as_output(x)
-        small = x.size <= _FUSED_REDUCE_MAX_SIZE and jnp.issubdtype(x.dtype, jnp.number)
+        small = x.size <= FUSED_REDUCE_MAX_SIZE and jnp.issubdtype(x.dtype, jnp.number)
         kinds.append(SUMMED_OUT if small else ARRAY_OUT)
         statics.append(None)
         arrays.append(x)

@@ -99,7 +99,7 @@ def _programs(strategy, function, inputs, rows, global_rows, cache_key, first) -
     programs = []
     for local, args in enumerate(inputs):
         replica_rows = None if rows is None else int(rows[first + local])
-        signature = (tuple((tuple(np.shape(a)), str(a.dtype)) for a in args), replica_rows, global_rows)
+        signature = (tuple((a.shape, a.dtype) for a in args), replica_rows, global_rows)
         key = ("per-replica", cache_key, signature)
         program = cache.get(key)
         if program is None:

@@ -30,13 +30,16 @@ def run(strategy, fn, treedef, kinds, dynamic, statics, key, lengths, program) -
     (``tracing._compile``): the variables it reads and writes.
     """
     mesh = strategy.extended.replica_mesh
-    slices = [collectives.local_slices(d, strategy) for d in dynamic]
+    # Each replica's block of the inputs, as stored (a per-replica input padded to the full share: the
+    # replica's program cuts its real rows, so that placing the inputs dispatches nothing).
+    blocks = [_local_blocks(d, strategy) for d in dynamic]
     known = program.read_vars + program.write_vars
     inputs = [
-        [*(_strongly_typed(lifting.local_value(v, device)) for v in known), *(d[local] for d in slices)]
+        [*(_strongly_typed(lifting.local_value(v, device)) for v in known), *(b[local] for b in blocks)]
         for local, device in enumerate(mesh.local_devices)
     ]
-    function = _replica_function(fn, treedef, kinds, statics, known, program.write_vars)
+    cuts = [None if not isinstance(d, PerReplica) else ("rows" if d._lengths is not None else "block") for d in dynamic]
+    function = _replica_function(fn, treedef, kinds, statics, known, program.write_vars, cuts)
     if lengths is None:
         first = next((d for d, k in zip(dynamic, lifting.dynamic_kinds(kinds)) if k == lifting.SHARDED and d._array.ndim > 1), None)
         rows = None if first is None else [first._array.shape[1]] * strategy.num_replicas_in_sync
@@ -50,39 +53,78 @@ def run(strategy, fn, treedef, kinds, dynamic, statics, key, lengths, program) -
             f"The replicas returned differently structured values from strategy.run ({sorted(trees)}); "
             "every replica must return the same structure (TF: an AssertionError in regroup)."
         )
-    written, out_tree = records[0]["written"], records[0]["out_tree"]
-    combined = [out[0] for out, _ in results]
+    _write_back(strategy, records[0]["written"], [out[0] for out, _ in results])
+    return jax.tree_util.tree_unflatten(records[0]["out_tree"], _outputs(strategy, results))
+
+
+def _local_blocks(value: Any, strategy: Any) -> list:
+    """Per local replica, its block of an input leaf on its device: ``(1, rows, ...)`` of a PerReplica, else the value."""
+    if isinstance(value, PerReplica):
+        by_device = collectives.local_buffers(value._array)
+        return [by_device[d] for d in strategy.extended.replica_mesh.local_devices]
+    return collectives.local_slices(value, strategy)
+
+
+def _write_back(strategy: Any, written: list, combined: list) -> None:
+    """Sets the written variables' new values (identical on every replica) from each replica's copy."""
     for i, var in enumerate(written):
         if sync_on_read.tracked(var):  # (this replica's copy, the aggregate) from each replica
             copies, _ = collectives.per_replica_from_local(strategy, [c[i][0] for c in combined])
             sync_on_read.store(var, collectives.replicated_from_local(strategy, [c[i][1] for c in combined]), copies)
         else:
             var._value = collectives.replicated_from_local(strategy, [c[i] for c in combined])
+
+
+def _outputs(strategy: Any, results: list) -> list:
+    """The step's outputs as PerReplica values (or the Python constant every replica returned)."""
+    records = [record for _, record in results]
     all_rows = results[0][0][2]
     outputs, arrays = [], [iter(out[1]) for out, _ in results]
+    mesh = strategy.extended.replica_mesh
     for j, (kind, static) in enumerate(zip(records[0]["out_kinds"], records[0]["out_statics"])):
         statics_now = [r["out_statics"][j] for r in records]
-        if kind == lifting.STATIC_OUT and all(r["out_kinds"][j] == kind for r in records) and all(s == statics_now[0] for s in statics_now):
+        if all(r["out_kinds"][j] == lifting.STATIC_OUT for r in records) and all(s == statics_now[0] for s in statics_now):
             outputs.append(static)  # TF's regroup: the same value on every replica is returned as it is
             continue
-        values = [next(a) if r["out_kinds"][j] != lifting.STATIC_OUT else jnp.asarray(r["out_statics"][j]) for a, r in zip(arrays, records)]
+        # Each replica's output comes as (1, ...) from its program.
+        values = [next(a) if r["out_kinds"][j] != lifting.STATIC_OUT else jax.device_put(np.asarray(r["out_statics"][j])[None], device)
+                  for a, r, device in zip(arrays, records, mesh.local_devices)]
         rows_out = None if all_rows is None else [int(n) for n in np.asarray(all_rows)[:, j]]
         if rows_out is not None and rows_out[0] < 0:
             rows_out = None
-        array, lengths_out = collectives.per_replica_from_local(strategy, values, rows_out)
+        shapes = {v.shape for v in values}
+        if len(shapes) == 1 and (rows_out is None or len(set(rows_out)) == 1):
+            array = jax.make_array_from_single_device_arrays((len(mesh.devices), *values[0].shape[1:]), mesh.per_replica_sharding, values)
+            outputs.append(PerReplica._from_array(strategy, array, None, _host_sum(strategy, values)))
+            continue
+        array, lengths_out = collectives.per_replica_from_local(strategy, [v[0] for v in values], rows_out)
         outputs.append(PerReplica._from_array(strategy, array, lengths_out))
-    return jax.tree_util.tree_unflatten(out_tree, outputs)
+    return outputs
 
 
-def _replica_function(fn, treedef, kinds, statics, known, write_vars):
-    """``fn`` as ``function(record, *known_values, *inputs) -> (combined variables, outputs, output rows)``."""
+def _host_sum(strategy: Any, values: list) -> Any:
+    """A small output's sum over the replicas, on this worker's first device (what ``reduce(SUM, axis=None)`` reads)."""
+    if jax.process_count() > 1 or values[0].size > lifting.FUSED_REDUCE_MAX_SIZE or not jnp.issubdtype(values[0].dtype, jnp.number):
+        return None
+    total = np.sum(np.concatenate(jax.device_get(values)), axis=0, dtype=values[0].dtype)
+    return jax.device_put(total, strategy.extended.replica_mesh.local_devices[0])
+
+
+def _replica_function(fn, treedef, kinds, statics, known, write_vars, cuts):
+    """``fn`` as ``function(record, *known_values, *input_blocks) -> (combined variables, outputs, output rows)``.
+
+    ``cuts``: per input, how the replica's value is cut from its block: ``"rows"`` (a padded PerReplica:
+    the replica's real rows), ``"block"`` (a PerReplica: the block's one row), None (the value itself).
+    """
     num_known = len(known)
     multi_process = jax.process_count() > 1
 
     def function(record: dict, *flat):
         context = _context.current_replica_context()
         eager = context._runs_eagerly
-        known_in, dynamic_in = flat[:num_known], iter(flat[num_known:])
+        known_in = flat[:num_known]
+        blocks = flat[num_known:]
+        dynamic_in = iter(b if cut is None else (b[0, :context._rows] if cut == "rows" else b[0]) for b, cut in zip(blocks, cuts))
         stat = iter(statics)
         leaves = [next(stat) if kind == lifting.STATIC else next(dynamic_in) for kind in kinds]
         args, kwargs = jax.tree_util.tree_unflatten(treedef, leaves)
@@ -104,8 +146,9 @@ def _replica_function(fn, treedef, kinds, statics, known, write_vars):
         rows = None
         if multi_process and out_leaves:
             # Every replica's dim 0 of each output: the other workers' PerReplica pieces need them.
-            rows = context._everyones(jnp.asarray([jnp.shape(x)[0] if jnp.ndim(x) else -1 for x in (lifting.as_output(x) for x in out_leaves)], jnp.int32))
-        return combined, arrays, rows
+            dims = [jnp.shape(x)[0] if jnp.ndim(x) else -1 for x in (lifting.as_output(x) for x in out_leaves)]
+            rows = context._everyones(jnp.asarray(dims, jnp.int32))
+        return combined, [x[None] for x in arrays], rows
 
     return function
 

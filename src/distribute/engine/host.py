@@ -134,6 +134,8 @@ class HostCollectives:
             return [[] for _ in new]
         new = [[np.asarray(n, dtype=np.asarray(o).dtype) for n, o in zip(ns, os)] for ns, os in zip(new, old)]
         old = [[np.asarray(o) for o in os] for os in old]
+        if not self.multi_worker:
+            return self._combine_here(specs, new, old)
         probes = []
         for local, (ns, os) in enumerate(zip(new, old)):
             first = self.first + local == 0
@@ -169,6 +171,31 @@ class HostCollectives:
                 else:
                     raise different_values_error(spec)
         return out
+
+
+    def _combine_here(self, specs: Sequence[VariableSpec], new: list[list], old: list[list]) -> list[list]:
+        """``combine`` on one worker, where every replica's values are at hand: the same answers, fewer arrays."""
+        has_rows = [self.rows is None or self.rows[self.first + local] != 0 for local in range(len(new))]
+        combined = []
+        for i, spec in enumerate(specs):
+            values = [ns[i] for ns in new]
+            if spec.summed:
+                changes = values if spec.assigned else [n - os[i] for n, os in zip(values, old)]
+                total = np.sum(np.stack(changes), axis=0, dtype=values[0].dtype)
+                combined.append([total if spec.assigned else os[i] + total for os in old])
+                continue
+            value = values[0]  # replica 0's, where every replica has it
+            if spec.aggregation != "only_first_replica" and any(not np.array_equal(v, value) for v in values[1:]):
+                if not (spec.aggregation == "mean" or (spec.aggregation == "none" and not spec.trainable)):
+                    raise different_values_error(spec)
+                # The mean over the replicas that had rows (an empty replica contributes nothing).
+                weighted = [v * np.asarray(1.0 if rows else 0.0, v.dtype) if np.issubdtype(v.dtype, np.inexact) else v
+                            for v, rows in zip(values, has_rows)]
+                total = np.sum(np.stack(weighted), axis=0, dtype=value.dtype)
+                count = np.maximum(np.float32(sum(has_rows)), np.float32(1.0))
+                value = (total / count.astype(total.dtype)).astype(value.dtype)
+            combined.append([value] * len(new))
+        return [list(per_replica) for per_replica in zip(*combined)]
 
 
 def _check_same(values: list, what: str) -> None:

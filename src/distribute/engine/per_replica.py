@@ -140,10 +140,11 @@ class Program:
             for i, e in enumerate(e for e in self.eqns if e.primitive is collective_p)
         ]
         self.rounds = self._earliest_rounds()
+        self._signature = [m.signature() for m in self.markers]
         self._cut: dict[tuple, list] = {}
 
     def signature(self) -> list:
-        return [m.signature() for m in self.markers]
+        return self._signature
 
     def _earliest_rounds(self) -> list[int]:
         """Per collective: 1 + the latest round its inputs depend on (0 for the program's inputs)."""
@@ -375,11 +376,19 @@ def run(strategy: Any, programs: Sequence[Program], rounds: Sequence[int], input
             placed = jax.device_put(results[local], devices[local])
             outs = [v for index in collectives_now for v in program.markers[index].outputs]
             env.update((v, x) for v, x in zip(outs, placed) if not isinstance(v, core.DropVar))
-    return [jax.tree_util.tree_unflatten(p.out_tree, [_read(env, a) for a in p.outvars]) for env, p in zip(envs, programs)]
+    return [jax.tree_util.tree_unflatten(p.out_tree, [_on(device, _read(env, a)) for a in p.outvars])
+            for env, p, device in zip(envs, programs, devices)]
 
 
 def _read(env: dict, atom: Any) -> Any:
     return atom.val if isinstance(atom, core.Literal) else env[atom]
+
+
+def _on(device: Any, value: Any) -> Any:
+    """An output on its replica's device (an output that is a constant of the trace is not yet)."""
+    if isinstance(value, jax.Array) and value.committed and value.devices() == {device}:
+        return value
+    return jax.device_put(value, device)
 
 
 def _collective(host: HostCollectives, marker: Marker, values: list[list]) -> list[list]:
