@@ -234,6 +234,8 @@ def run_replicas(strategy: Any, body: Callable[[ThreadedReplicaContext], Any], r
         for local in range(num_local)
     ]
 
+    done = [threading.Event() for _ in range(num_local)]
+
     def work(local: int) -> None:
         context = contexts[local]
         try:
@@ -246,23 +248,29 @@ def run_replicas(strategy: Any, body: Callable[[ThreadedReplicaContext], Any], r
                 meeting.abort()
         finally:
             meeting.finished(local, context._calls)
+            done[local].set()
 
-    threads = [threading.Thread(target=contextvars.copy_context().run, args=(work, i), name=f"distribute-replica-{i}", daemon=True)
+    # Not daemons: a replica thread still computing when the interpreter exits is waited for, not ended
+    # inside XLA (which aborts the process: "terminate called ...").
+    threads = [threading.Thread(target=contextvars.copy_context().run, args=(work, i), name=f"distribute-replica-{i}")
                for i in range(num_local)]
     try:
         for thread in threads:
             thread.start()
-        for thread in threads:
-            thread.join()
+        # Events, not Thread.join: a join interrupted by Ctrl-C marks a running thread finished (CPython
+        # 3.11), and the interpreter would then end it inside XLA at exit, which aborts the process.
+        for event in done:
+            event.wait()
     except BaseException:
-        # Interrupted (Ctrl-C) while the replicas run: stop them at their next collective and let
-        # them finish what they are computing, so none is left running into interpreter exit.
+        # Interrupted (Ctrl-C) while the replicas run: stop them at their next collective and give them
+        # a moment to finish what they compute (the interpreter waits for the rest at exit).
         meeting.abort()
         deadline = time.monotonic() + STOP_SECONDS
-        for thread in threads:
-            if thread.is_alive():
-                thread.join(max(deadline - time.monotonic(), 0.0))
+        for event in done:
+            event.wait(max(deadline - time.monotonic(), 0.0))
         raise
+    for thread in threads:
+        thread.join()
     real = [e for e in errors if e is not None and not isinstance(e, Aborted)]
     if real:
         raise real[0]

@@ -264,7 +264,7 @@ class _StepRunner:
         self.variables, self.per_replica_result, self.multi_step = variables, per_replica_result, multi_step
         self.cache: dict = {}
         self.steps: dict = {}
-        self.ahead: dict = {}  # key -> (thread, [Compiled or None]): programs compiled ahead (the partial batch)
+        self.ahead: dict = {}  # key -> (done Event, [Compiled or None]): programs compiled ahead (the partial batch)
         self.considered: set = set()  # (treedef, partial rows) already compiled ahead or found not to need it
 
     def _step(self, treedef: Any) -> Any:
@@ -290,8 +290,8 @@ class _StepRunner:
     def _compiled(self, treedef: Any, placed: list, steps: int) -> Any:
         key = (treedef, tuple((p.shape, p.dtype) for p in placed), steps)
         if key not in self.cache and key in self.ahead:
-            thread, compiled = self.ahead.pop(key)
-            thread.join()
+            done, compiled = self.ahead.pop(key)
+            done.wait()  # not Thread.join: a join interrupted by Ctrl-C marks the thread finished (CPython 3.11)
             if compiled[0] is not None:  # else: compile it here (and raise its error here, if any)
                 self.cache[key] = compiled[0]
         if key not in self.cache:
@@ -385,15 +385,21 @@ class _StepRunner:
         out: list = [None]
         keras_state = copy_thread_state()
 
+        done = threading.Event()
+
         def compile_ahead() -> None:
             try:
                 keras_state.apply()
                 out[0] = program.lower(state_shapes, shapes).compile()
             except Exception:  # noqa: BLE001 - compiled again, raising there, when the batch arrives
                 out[0] = None
+            finally:
+                done.set()
 
-        thread = threading.Thread(target=contextvars.copy_context().run, args=(compile_ahead,), name="distribute-compile-ahead", daemon=True)
-        self.ahead[key] = (thread, out)
+        # Not a daemon: the interpreter waits for it at exit (after Ctrl-C, say) instead of ending it inside XLA's
+        # compiler, which aborts the process ("terminate called ...").
+        thread = threading.Thread(target=contextvars.copy_context().run, args=(compile_ahead,), name="distribute-compile-ahead")
+        self.ahead[key] = (done, out)
         thread.start()
 
     def _run_uneven(self, treedef: Any, leaves: list, counts: np.ndarray, state: Any) -> tuple[Any, Any]:
