@@ -15,7 +15,7 @@ import keras
 import numpy as np
 import pytest
 
-from distribute.keras_support import trainer
+from distribute.keras_support import model_methods, trainer
 from helpers import mirrored
 
 ROWS, BATCH = 200, 32  # 6 full batches and a partial one of 8 rows (4 per replica on 2)
@@ -105,7 +105,7 @@ def test_uneven_partial_batch_is_not_compiled_ahead():
     ],
 )
 def test_partial_rows_follow_keras(args, kwargs, expected):
-    assert trainer._partial_rows(args, kwargs) == expected
+    assert model_methods._partial_rows(args, kwargs) == expected
 
 
 def test_batch_hooks_get_every_step_as_from_keras():
@@ -137,10 +137,10 @@ def test_no_listener_no_batch_end_call():
 
     model = _model(mirrored(2))
     callbacks = keras.callbacks.CallbackList([EpochOnly()], add_history=True, model=model)
-    assert not trainer._listens(callbacks.callbacks, "train")
-    assert trainer._listens([*callbacks.callbacks, _BatchLogs()], "train")
-    assert trainer._listens([_OldStyleBatchEnd()], "train")
-    assert not trainer._listens([_OldStyleBatchEnd()], "test")  # on_batch_end is a train-only alias
+    assert not model_methods._listens(callbacks.callbacks, "train")
+    assert model_methods._listens([*callbacks.callbacks, _BatchLogs()], "train")
+    assert model_methods._listens([_OldStyleBatchEnd()], "train")
+    assert not model_methods._listens([_OldStyleBatchEnd()], "test")  # on_batch_end is a train-only alias
     x, y = _data()
     model.fit(x, y, batch_size=BATCH, epochs=2, verbose=0, callbacks=[EpochOnly()])
     assert calls == [("epoch", 0), ("epoch", 1)]

@@ -543,6 +543,9 @@ def test_a_worker_whose_peer_never_starts_fails_within_the_timeout_naming_it(tmp
     assert done.returncode == 75, done.stderr[-3000:]
     assert "the cluster did not form within 3 s" in done.stderr and "worker 0 (127.0.0.1:" in done.stderr
     assert "Terminating process" not in done.stderr
+    # While it waits it says who is missing, where, every ~30 s (a third of a shorter timeout: every second here).
+    waiting = [line for line in done.stderr.splitlines() if "for the cluster to form; still missing: worker 0 (127.0.0.1:" in line]
+    assert len(waiting) >= 2 and "coordination service at 127.0.0.1:" in waiting[0] and "does not answer" in waiting[0], done.stderr[-3000:]
     assert seconds < 2 * timeout + 15
 
 

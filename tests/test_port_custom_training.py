@@ -1,18 +1,26 @@
-"""TF tutorial "Custom training with tf.distribute.Strategy", ported by substitution only.
+"""TF tutorial "Custom training with tf.distribute.Strategy", ported by substitution only, every section.
 
 Source: tensorflow/docs site/en/tutorials/distribute/custom_training.ipynb.
 Substitutions: tf.distribute -> distribute, tf.data -> distribute.data, tf.keras -> keras,
-tf.GradientTape + tape.gradient -> distribute.compute_gradients, tf.nn.compute_average_loss ->
-distribute.compute_average_loss, tf.add_n -> sum, tf.train.Checkpoint -> distribute.Checkpoint,
-@tf.function dropped. Fashion-MNIST is replaced by small synthetic data of the same shape
-(28x28x1 float32 in [0, 1], labels 0..9), 300 train / 100 test images, so every epoch ends with
-an uneven last batch (300 = 4 x 64 + 44, split 22 | 22 on 2 replicas; a split of unequal rows per replica
-compiles ~10x slower, so it is left to the smaller tests in test_port_tf_tests.py). The shuffle gets a seed so two runs can be compared.
+tf.GradientTape + tape.gradient(loss, model.trainable_variables) -> distribute.compute_gradients(loss_fn,
+lambda: model.trainable_variables) (the variables are read after the block, as tape.gradient reads them:
+the model is built by its first call), tf.nn.compute_average_loss -> distribute.compute_average_loss,
+tf.nn.scale_regularization_loss -> distribute.scale_regularization_loss, tf.add_n -> sum,
+tf.train.Checkpoint -> distribute.Checkpoint, tf.train.latest_checkpoint -> distribute.latest_checkpoint,
+reset_states -> reset_state (Keras 3), @tf.function dropped. As TF writes it: the model is built lazily by the
+first step (no Input layer), with an L2 kernel_regularizer whose losses come through model.losses; a checkpoint
+every other epoch, restored into a model without a strategy (deferred restoration: that model is built by its
+first call too); the iterator loop and the loop "inside a function". Fashion-MNIST is replaced by small
+synthetic data of the same shape (28x28x1 float32 in [0, 1], labels 0..9), 300 train / 100 test images, so every
+epoch ends with a partial batch (300 = 4 x 64 + 44); the initial weights come from keras.utils.set_random_seed
+before create_model, the shuffle gets a seed, so runs can be compared. EPOCHS is 2 (TF: 10) and the iterator loop
+takes 3 steps (TF: 10 of its 938 batches).
 
 What is asserted: the tutorial on 2 replicas and on OneDeviceStrategy ends at the one-device weights, losses and
-metrics (within float32 rounding); the checkpoint restored into an unreplicated model gives the
-same accuracy as the replicated model had at save time; the "other ways of iterating" loops give
-the one-device values too.
+metrics (within float32 rounding), also with a global batch that does not divide by the replicas (63 on 2
+replicas: every step but the last of an epoch is uneven, 32 | 31 rows); the checkpoint restored into an
+unreplicated model gives the accuracy the replicated model had at save time; the "other ways of iterating" loops
+give the one-device values too; TF 2.21's values on 2 replicas.
 """
 
 from __future__ import annotations
@@ -27,8 +35,6 @@ from helpers import mirrored
 import distribute
 
 N_TRAIN, N_TEST = 300, 100
-GLOBAL_BATCH_SIZE = 64  # the tutorial: 64 per replica; fixed globally here so runs compare
-EPOCHS = 2
 
 
 def fashion_mnist_like():
@@ -44,7 +50,6 @@ def fashion_mnist_like():
 def create_model():
     regularizer = keras.regularizers.L2(1e-5)
     model = keras.Sequential([
-        keras.Input((28, 28, 1)),  # added: the tutorial builds lazily on the first call
         keras.layers.Conv2D(32, 3, activation="relu", kernel_regularizer=regularizer),
         keras.layers.MaxPooling2D(),
         keras.layers.Conv2D(64, 3, activation="relu", kernel_regularizer=regularizer),
@@ -56,16 +61,6 @@ def create_model():
     return model
 
 
-_INITIAL = {}
-
-
-def initial_weights():
-    if "w" not in _INITIAL:
-        keras.utils.set_random_seed(1)
-        _INITIAL["w"] = create_model().get_weights()
-    return _INITIAL["w"]
-
-
 def data():
     (train_images, train_labels), (test_images, test_labels) = fashion_mnist_like()
     train_images = train_images[..., None]
@@ -75,20 +70,23 @@ def data():
     return (train_images, train_labels), (test_images, test_labels)
 
 
-def run_tutorial(strategy, checkpoint_dir, shuffle=True, extras=True):
+def run_tutorial(strategy, checkpoint_dir, shuffle=True, extras=True, GLOBAL_BATCH_SIZE=64, EPOCHS=2):
     (train_images, train_labels), (test_images, test_labels) = data()
     BUFFER_SIZE = len(train_images)
+
     train_dataset = distribute.data.Dataset.from_tensor_slices((train_images, train_labels))
     if shuffle:
         train_dataset = train_dataset.shuffle(BUFFER_SIZE, seed=3)
     train_dataset = train_dataset.batch(GLOBAL_BATCH_SIZE)
     test_dataset = distribute.data.Dataset.from_tensor_slices((test_images, test_labels)).batch(GLOBAL_BATCH_SIZE)
+
     train_dist_dataset = strategy.experimental_distribute_dataset(train_dataset)
     test_dist_dataset = strategy.experimental_distribute_dataset(test_dataset)
 
     checkpoint_prefix = os.path.join(checkpoint_dir, "ckpt")
 
     with strategy.scope():
+        # Set reduction to `NONE` so you can do the reduction yourself.
         loss_object = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none")
 
         def compute_loss(labels, predictions, model_losses):
@@ -103,9 +101,10 @@ def run_tutorial(strategy, checkpoint_dir, shuffle=True, extras=True):
         train_accuracy = keras.metrics.SparseCategoricalAccuracy(name="train_accuracy")
         test_accuracy = keras.metrics.SparseCategoricalAccuracy(name="test_accuracy")
 
+    # A model, an optimizer, and a checkpoint must be created under `strategy.scope`.
     with strategy.scope():
+        keras.utils.set_random_seed(1)  # added: the same initial weights in every run
         model = create_model()
-        model.set_weights(initial_weights())
         optimizer = keras.optimizers.Adam(learning_rate=0.001)
         checkpoint = distribute.Checkpoint(optimizer=optimizer, model=model)
 
@@ -117,18 +116,23 @@ def run_tutorial(strategy, checkpoint_dir, shuffle=True, extras=True):
             loss = compute_loss(labels, predictions, model.losses)
             return loss, predictions
 
-        (loss, predictions), gradients = distribute.compute_gradients(loss_fn, model.trainable_variables, has_aux=True)
+        # was: gradients = tape.gradient(loss, model.trainable_variables)
+        (loss, predictions), gradients = distribute.compute_gradients(loss_fn, lambda: model.trainable_variables, has_aux=True)
         optimizer.apply_gradients(zip(gradients, model.trainable_variables))
+
         train_accuracy.update_state(labels, predictions)
         return loss
 
     def test_step(inputs):
         images, labels = inputs
+
         predictions = model(images, training=False)
         t_loss = loss_object(labels, predictions)
+
         test_loss.update_state(t_loss)
         test_accuracy.update_state(labels, predictions)
 
+    # `run` replicates the provided computation and runs it with the distributed input.
     def distributed_train_step(dataset_inputs):
         per_replica_losses = strategy.run(train_step, args=(dataset_inputs,))
         return strategy.reduce(distribute.ReduceOp.SUM, per_replica_losses, axis=None)
@@ -136,38 +140,42 @@ def run_tutorial(strategy, checkpoint_dir, shuffle=True, extras=True):
     def distributed_test_step(dataset_inputs):
         return strategy.run(test_step, args=(dataset_inputs,))
 
-    history = []
-    step_losses = []
+    history, step_losses, saved_test_accuracy = [], [], None
     for epoch in range(EPOCHS):
+        # TRAIN LOOP
         total_loss = 0.0
         num_batches = 0
         for x in train_dist_dataset:
             step_loss = distributed_train_step(x)
-            step_losses.append(float(step_loss))
+            step_losses.append(float(step_loss))  # added: recorded
             total_loss += step_loss
             num_batches += 1
         train_loss = total_loss / num_batches
 
+        # TEST LOOP
         for x in test_dist_dataset:
             distributed_test_step(x)
 
         if epoch % 2 == 0:
             checkpoint.save(checkpoint_prefix)
-            saved_test_accuracy = float(test_accuracy.result())
+            saved_test_accuracy = float(test_accuracy.result())  # added: recorded
 
         history.append((float(train_loss), float(train_accuracy.result()), float(test_loss.result()),
-                        float(test_accuracy.result()), num_batches))
-        test_loss.reset_state()  # was reset_states()
+                        float(test_accuracy.result()), num_batches))  # was: print(template.format(...))
+
+        test_loss.reset_state()
         train_accuracy.reset_state()
         test_accuracy.reset_state()
 
     if not extras:
         return {"history": history, "step_losses": step_losses, "weights": [np.asarray(w) for w in model.get_weights()]}
 
-    # -- restore the latest checkpoint without a strategy
+    # -- Restore the latest checkpoint and test (without a strategy)
     eval_accuracy = keras.metrics.SparseCategoricalAccuracy(name="eval_accuracy")
+
     new_model = create_model()
     new_optimizer = keras.optimizers.Adam()
+
     test_dataset = distribute.data.Dataset.from_tensor_slices((test_images, test_labels)).batch(GLOBAL_BATCH_SIZE)
 
     def eval_step(images, labels):
@@ -176,23 +184,27 @@ def run_tutorial(strategy, checkpoint_dir, shuffle=True, extras=True):
 
     checkpoint = distribute.Checkpoint(optimizer=new_optimizer, model=new_model)
     checkpoint.restore(distribute.latest_checkpoint(checkpoint_dir))
+
     for images, labels in test_dataset:
         eval_step(images, labels)
     restored_accuracy = float(eval_accuracy.result())
 
-    # -- other ways of iterating: iter/next (3 steps per "epoch": 5 batches in this small dataset)
+    # -- Alternate ways of iterating over a dataset: using iterators
     iter_losses = []
-    for _ in range(2):
+    for _ in range(EPOCHS):
         total_loss = 0.0
         num_batches = 0
         train_iter = iter(train_dist_dataset)
-        for _ in range(3):
+
+        for _ in range(3):  # TF: 10 (of 938 batches); this dataset has 5
             total_loss += distributed_train_step(next(train_iter))
             num_batches += 1
-        iter_losses.append((float(total_loss / num_batches), float(train_accuracy.result())))
+        average_train_loss = total_loss / num_batches
+
+        iter_losses.append((float(average_train_loss), float(train_accuracy.result())))
         train_accuracy.reset_state()
 
-    # -- iterating inside a function (was @tf.function distributed_train_epoch)
+    # -- Iterating inside a function (was @tf.function)
     def distributed_train_epoch(dataset):
         total_loss = 0.0
         num_batches = 0
@@ -203,7 +215,7 @@ def run_tutorial(strategy, checkpoint_dir, shuffle=True, extras=True):
         return total_loss / float(num_batches)  # was tf.cast(num_batches, dtype=tf.float32)
 
     epoch_losses = []
-    for _ in range(1):
+    for epoch in range(EPOCHS):
         train_loss = distributed_train_epoch(train_dist_dataset)
         epoch_losses.append((float(train_loss), float(train_accuracy.result())))
         train_accuracy.reset_state()
@@ -222,29 +234,28 @@ def run_tutorial(strategy, checkpoint_dir, shuffle=True, extras=True):
 _RESULTS = {}
 
 
-def result(num_replicas, tmp_path_factory):
-    if num_replicas not in _RESULTS:
+def result(num_replicas, tmp_path_factory, global_batch=64):
+    key = (num_replicas, global_batch)
+    if key not in _RESULTS:
         strategy = distribute.OneDeviceStrategy("/cpu:0") if num_replicas == 0 else mirrored(num_replicas)
-        _RESULTS[num_replicas] = run_tutorial(strategy, str(tmp_path_factory.mktemp(f"ckpt{num_replicas}")))
-    return _RESULTS[num_replicas]
+        directory = str(tmp_path_factory.mktemp(f"ckpt{num_replicas}_{global_batch}"))
+        _RESULTS[key] = run_tutorial(strategy, directory, GLOBAL_BATCH_SIZE=global_batch)
+    return _RESULTS[key]
 
 
 def test_custom_training_one_device_runs_the_tutorial(tmp_path_factory):
     one = result(1, tmp_path_factory)
-    assert [h[4] for h in one["history"]] == [5, 5]  # 300 = 4 x 64 + 44: the uneven last batch is a step
-    assert one["iterations"] == 2 * 5 + 2 * 3 + 5
+    assert [h[4] for h in one["history"]] == [5, 5]  # 300 = 4 x 64 + 44: the partial last batch is a step
+    assert one["iterations"] == 2 * 5 + 2 * 3 + 2 * 5
     assert one["history"][1][0] < one["history"][0][0]  # training lowers the loss
-    # the checkpoint (written after epoch 1) restored into an unreplicated model
+    # the checkpoint (written after epoch 1) restored into a model without a strategy
     assert one["restored_accuracy"] == pytest.approx(one["saved_test_accuracy"], abs=1e-7)
 
 
-@pytest.mark.parametrize("num_replicas", [0, 2])
-def test_custom_training_equals_one_device(num_replicas, tmp_path_factory):
-    one = result(1, tmp_path_factory)
-    many = result(num_replicas, tmp_path_factory)
+def _assert_equal_runs(many, one):
     np.testing.assert_allclose(np.array([h[:4] for h in many["history"]]), np.array([h[:4] for h in one["history"]]),
                                rtol=2e-4, atol=2e-5)
-    assert [h[4] for h in many["history"]] == [5, 5]
+    assert [h[4] for h in many["history"]] == [h[4] for h in one["history"]]
     for a, e in zip(many["weights"], one["weights"]):
         np.testing.assert_allclose(a, e, rtol=1e-3, atol=2e-5)
     np.testing.assert_allclose(many["iter_losses"], one["iter_losses"], rtol=2e-4, atol=2e-5)
@@ -254,6 +265,19 @@ def test_custom_training_equals_one_device(num_replicas, tmp_path_factory):
     assert many["restored_accuracy"] == pytest.approx(one["restored_accuracy"], abs=1e-7)
 
 
+@pytest.mark.parametrize("num_replicas", [0, 2])
+def test_custom_training_equals_one_device(num_replicas, tmp_path_factory):
+    _assert_equal_runs(result(num_replicas, tmp_path_factory), result(1, tmp_path_factory))
+
+
+def test_custom_training_with_a_global_batch_not_divisible_by_the_replicas_equals_one_device(tmp_path_factory):
+    # 63 rows on 2 replicas: 32 | 31 every step (the exact uneven step, compiled per replica shape); the last
+    # batch of an epoch, 48 rows, splits evenly.
+    one = result(1, tmp_path_factory, global_batch=63)
+    assert [h[4] for h in one["history"]] == [5, 5]
+    _assert_equal_runs(result(2, tmp_path_factory, global_batch=63), one)
+
+
 # TF 2.21 running the tutorial's own code (tf.GradientTape, tf.nn.compute_average_loss, @tf.function)
 # on MirroredStrategy(["/cpu:0", "/cpu:1"]) from the same initial weights and data, no shuffle
 # (recorded with /work/tfvenv: the optimizer built in scope first, which TF 2.21 + Keras 3 needs).
@@ -261,7 +285,7 @@ TF_2_21 = {"epochs": [{"step_losses": [2.2984652519226074, 2.2998173236846924, 2
 
 
 def test_custom_training_matches_tf_2_21(tmp_path):
-    got = run_tutorial(mirrored(2), str(tmp_path), shuffle=False, extras=False)
+    got = run_tutorial(mirrored(2), str(tmp_path), shuffle=False, extras=False, EPOCHS=2)
     tf_steps = [v for e in TF_2_21["epochs"] for v in e["step_losses"]]
     np.testing.assert_allclose(got["step_losses"], tf_steps, rtol=1e-4)
     for (train_loss, train_acc, test_loss, test_acc, _), e in zip(got["history"], TF_2_21["epochs"]):

@@ -143,8 +143,25 @@ def global_from_local(strategy: Any, values: list) -> jax.Array:
     return jax.make_array_from_single_device_arrays(shape, ext.replica_mesh.per_replica_sharding, shards)
 
 
+def local_buffers(array: jax.Array) -> dict:
+    """This worker's buffers of ``array``, by device.
+
+    Under several processes (jax 0.10, CPU), an array placed with ``jax.device_put``
+    on a replicated sharding of the global mesh refuses ``addressable_shards`` ("the
+    input arrays must have one shard each"); its first local copy is then copied to
+    this worker's other devices.
+    """
+    try:
+        return {s.device: s.data for s in array.addressable_shards}
+    except ValueError:
+        if not array.is_fully_replicated:
+            raise
+        first = array.addressable_data(0)
+        return {d: first if d in first.devices() else jax.device_put(first, d) for d in array.sharding.addressable_devices}
+
+
 def per_local_device(strategy: Any, array: jax.Array) -> list:
-    by_device = {s.device: s.data for s in array.addressable_shards}
+    by_device = local_buffers(array)
     return [by_device[d] for d in strategy.extended.replica_mesh.local_devices]
 
 
@@ -158,12 +175,15 @@ def all_program(sharding: Any) -> Callable:
     return jax.jit(lambda arrays: list(arrays), out_shardings=sharding)
 
 
-def sum_over_replicas(strategy: Any, columns: list[list]) -> list[list]:
-    """``columns[i]``: this worker's per-device values of leaf ``i`` -> per local device, the sums."""
+def sum_over_replicas(strategy: Any, columns: list[list], check: bool = True) -> list[list]:
+    """``columns[i]``: this worker's per-device values of leaf ``i`` -> per local device, the sums.
+
+    ``check``: first exchange every replica's shapes (not needed where the workers agreed on them).
+    """
     if not columns:
         return [[] for _ in strategy.extended.replica_mesh.local_devices]
     ext = strategy.extended
-    for every in shapes_everywhere(strategy, columns, "an all_reduce of an uneven step"):
+    for every in shapes_everywhere(strategy, columns, "an all_reduce of an uneven step") if check else []:
         shapes, dtypes = sorted({shape for shape, _ in every}), sorted({dtype for _, dtype in every})
         if len(shapes) > 1 or len(dtypes) > 1:
             raise ValueError(
@@ -229,7 +249,8 @@ def gather_over_replicas(strategy: Any, columns: list[list], axis: int) -> list[
 def replicated_from_local(strategy: Any, per_device: list) -> jax.Array:
     """One replicated array from this worker's identical per-device copies."""
     ext = strategy.extended
-    per_device = [jax.device_put(jnp.asarray(v), d) for v, d in zip(per_device, ext.replica_mesh.local_devices)]
+    per_device = [v if isinstance(v, jax.Array) and v.committed and v.devices() == {d} else jax.device_put(jnp.asarray(v), d)
+                  for v, d in zip(per_device, ext.replica_mesh.local_devices)]
     return jax.make_array_from_single_device_arrays(per_device[0].shape, ext.replica_mesh.replicated_sharding, per_device)
 
 
@@ -259,7 +280,7 @@ def local_slices(value: Any, strategy: Any) -> list:
     if isinstance(value, Mirrored):
         value = value._array
     if isinstance(value, jax.Array) and len(value.sharding.device_set) > 1:
-        by_device = {s.device: s.data for s in value.addressable_shards}
+        by_device = local_buffers(value)
         if all(d in by_device for d in ext.replica_mesh.local_devices):
             return [by_device[d] for d in ext.replica_mesh.local_devices]
     return [jax.device_put(value, d) for d in ext.replica_mesh.local_devices]

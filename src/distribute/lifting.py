@@ -16,13 +16,14 @@ import jax
 import jax.numpy as jnp
 
 from distribute import ownership, sync_on_read
+from distribute.collectives import local_buffers
 from distribute._keras import KerasVariable, StatelessScope
 from distribute.values import DistributedValues, Mirrored
 
 
 SHARDED, REPLICATED, STATIC = 0, 1, 2
 ARRAY_OUT, SUMMED_OUT, STATIC_OUT = 0, 1, 2
-_FUSED_REDUCE_MAX_SIZE = 64  # elements per replica; bigger outputs are reduced on demand
+FUSED_REDUCE_MAX_SIZE = 64  # elements per replica; bigger outputs are reduced on demand
 
 
 class LiftingScope(StatelessScope):
@@ -75,7 +76,10 @@ class LiftingScope(StatelessScope):
             value = self.state_mapping[id(variable)] = local_value(variable, self.device)
         if value is None:
             self.missing[id(variable)] = variable
-            if self.placeholders and variable._value is not None:
+            if self.placeholders or variable._value is None:
+                # A placeholder (a discovery trace), or a variable created by this very trace (a model
+                # built lazily by its first step) whose value Keras defers: zeros of its shape, never
+                # None, which Keras' own reads (a regularizer of ``model.losses``) cannot take.
                 value = jnp.zeros(variable.shape, variable.dtype)
         return value
 
@@ -89,7 +93,7 @@ def classify_outputs(out_leaves: list) -> tuple[list, list, list]:
             statics.append(x)
             continue
         x = as_output(x)
-        small = x.size <= _FUSED_REDUCE_MAX_SIZE and jnp.issubdtype(x.dtype, jnp.number)
+        small = x.size <= FUSED_REDUCE_MAX_SIZE and jnp.issubdtype(x.dtype, jnp.number)
         kinds.append(SUMMED_OUT if small else ARRAY_OUT)
         statics.append(None)
         arrays.append(x)
@@ -109,11 +113,9 @@ def local_value(var: KerasVariable, device: Any) -> Any:
     """Variable ``var``'s copy on ``device`` (its replicated array's shard there; a SyncOnRead one's own copy)."""
     value = var._value
     if sync_on_read.tracked(var):
-        return next(s.data[0] for s in sync_on_read.copies(var).addressable_shards if s.device == device)
-    if isinstance(value, jax.Array):
-        for shard in value.addressable_shards:
-            if shard.device == device:
-                return shard.data
+        return local_buffers(sync_on_read.copies(var))[device][0]
+    if isinstance(value, jax.Array) and device in value.sharding.addressable_devices:
+        return local_buffers(value)[device]
     return jax.device_put(value, device)
 
 

@@ -1,195 +1,159 @@
 """``strategy.run`` on uneven input: every replica runs on its real rows only (no padding).
 
-One thread per replica (``uneven.run_replicas``).  On one worker each replica's
-function is traced once per replica shape (replicas of one shape share the trace,
-under a lock) and compiled per device; its collectives are ordered host callbacks
-that meet the other replicas' programs (``uneven.py``).  All replicas first agree
-whether everyone has a program; otherwise (an ``all_gather``, a Python branch on
-a value, a variable the discovery did not see, or several workers) all run
-eagerly under a ``LiftingScope``.
+The replica function, with the Keras variables it uses lifted into inputs and
+outputs (the step's discovery, ``tracing._compile``, found them), goes through
+``uneven.run_step``: on every worker compiled once per replica shape and cut at
+its collectives, or, where it cannot be traced (an ``all_gather``, a Python
+branch on a value, a variable the discovery did not see), eagerly in one
+thread per replica under a ``LiftingScope``.  The assigned variables are
+combined in the step (as the SPMD program does) and written back here.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import functools
-import threading
 from typing import Any
 
 import jax
-import jax.extend
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from distribute import collectives, lifting, sync_on_read, uneven
-from distribute._keras import initialize_all_variables
+from distribute import _context, collectives, lifting, sync_on_read, uneven
 from distribute.values import PerReplica
 
 
 def run(strategy, fn, treedef, kinds, dynamic, statics, key, lengths, program) -> Any:
-    """The exact uneven step (see ``uneven.py``): one thread per replica, each on its real rows.
+    """The exact uneven step (see ``uneven.py``): every replica on its real rows.
 
     Also runs a step that cannot be one SPMD program (``lengths`` None): every
-    replica's rows are then equal.  ``program`` is the step's discovery (``tracing._compile``):
-    the variables it reads and writes.
+    replica's rows are then equal.  ``program`` is the step's discovery
+    (``tracing._compile``): the variables it reads and writes.
     """
-    slices = [collectives.local_slices(d, strategy) for d in dynamic]
+    mesh = strategy.extended.replica_mesh
+    # Each replica's block of the inputs, as stored (a per-replica input padded to the full share: the
+    # replica's program cuts its real rows, so that placing the inputs dispatches nothing).
+    blocks = [_local_blocks(d, strategy) for d in dynamic]
     known = program.read_vars + program.write_vars
-    multi_process = jax.process_count() > 1
-
-    def body(context: uneven.ThreadedReplicaContext):
-        local = context._local
-        dynamic_local = [d[local] for d in slices]
-        known_vals = [_strongly_typed(lifting.local_value(v, context._device)) for v in known]
-        local_program = None if multi_process else _local_program(strategy, fn, treedef, kinds, statics, key, known, program.write_vars, context, known_vals, dynamic_local)
-        if context._agree(local_program is not None):
-            replica_id = _replica_id_on(context._replica, context._device)
-            new_vals, arrays = jax.block_until_ready(local_program.compiled(known_vals, dynamic_local, replica_id))
-            written, out_tree, plain = local_program.written, local_program.out_tree, local_program.plain
-            updates = local_program.updates
-            arrays = iter(arrays)
-            out_leaves = [static if kind == lifting.STATIC_OUT else next(arrays) for kind, static in zip(local_program.out_kinds, local_program.out_statics)]
-            by_id = {id(v): x for v, x in zip(known, known_vals)}
-            old = [by_id[id(v)] for v in written]
-            new = list(new_vals)
-        else:
-            dyn, stat = iter(dynamic_local), iter(statics)
-            leaves = [next(stat) if kind == lifting.STATIC else next(dyn) for kind in kinds]
-            args, kwargs = jax.tree_util.tree_unflatten(treedef, leaves)
-            scope = lifting.LiftingScope({id(v): x for v, x in zip(known, known_vals)}, device=context._device)
-            with scope:
-                result = fn(*args, **kwargs)
-            written = list(program.write_vars) + [v for i, v in scope.written.items() if all(w is not v for w in program.write_vars)]
-            old = [lifting.local_value(v, context._device) for v in written]
-            new = [scope.state_mapping[id(v)] if id(v) in scope.written else o for v, o in zip(written, old)]
-            plain = frozenset(scope.plain)
-            updates = frozenset(scope.updates)
-            out_leaves, out_tree = jax.tree_util.tree_flatten(result, is_leaf=lifting.is_keras_variable)
-            out_leaves = [x if lifting.is_python_constant(x) else lifting.as_output(x) for x in out_leaves]
-        combined = sync_on_read.combine_all(context, written, new, old, plain, updates)
-        rows = None
-        if multi_process and out_leaves:
-            rows = context._everyones(jnp.asarray([np.shape(x)[0] if np.ndim(x) else -1 for x in out_leaves], jnp.int32))
-        return written, combined, out_tree, out_leaves, rows
-
+    inputs = [
+        [*(_strongly_typed(lifting.local_value(v, device)) for v in known), *(b[local] for b in blocks)]
+        for local, device in enumerate(mesh.local_devices)
+    ]
+    cuts = [None if not isinstance(d, PerReplica) else ("rows" if d._lengths is not None else "block") for d in dynamic]
+    function = _replica_function(fn, treedef, kinds, statics, known, program.write_vars, cuts)
     if lengths is None:
         first = next((d for d, k in zip(dynamic, lifting.dynamic_kinds(kinds)) if k == lifting.SHARDED and d._array.ndim > 1), None)
         rows = None if first is None else [first._array.shape[1]] * strategy.num_replicas_in_sync
     else:
         rows = lengths.tolist()
-    results = uneven.run_replicas(strategy, body, rows)
-    written, _, out_tree, _, all_rows = results[0]
-    trees = {r[2] for r in results}
+    results = uneven.run_step(strategy, function, inputs, rows, ("run", key))
+    records = [record for _, record in results]
+    trees = {str(r["out_tree"]) for r in records}
     if len(trees) > 1:
         raise ValueError(
-            f"The replicas returned differently structured values from strategy.run ({sorted(map(str, trees))}); "
+            f"The replicas returned differently structured values from strategy.run ({sorted(trees)}); "
             "every replica must return the same structure (TF: an AssertionError in regroup)."
         )
+    _write_back(strategy, records[0]["written"], [out[0] for out, _ in results])
+    return jax.tree_util.tree_unflatten(records[0]["out_tree"], _outputs(strategy, results))
+
+
+def _local_blocks(value: Any, strategy: Any) -> list:
+    """Per local replica, its block of an input leaf on its device: ``(1, rows, ...)`` of a PerReplica, else the value."""
+    if isinstance(value, PerReplica):
+        by_device = collectives.local_buffers(value._array)
+        return [by_device[d] for d in strategy.extended.replica_mesh.local_devices]
+    return collectives.local_slices(value, strategy)
+
+
+def _write_back(strategy: Any, written: list, combined: list) -> None:
+    """Sets the written variables' new values (identical on every replica) from each replica's copy."""
     for i, var in enumerate(written):
         if sync_on_read.tracked(var):  # (this replica's copy, the aggregate) from each replica
-            copies, _ = collectives.per_replica_from_local(strategy, [r[1][i][0] for r in results])
-            sync_on_read.store(var, collectives.replicated_from_local(strategy, [r[1][i][1] for r in results]), copies)
+            copies, _ = collectives.per_replica_from_local(strategy, [c[i][0] for c in combined])
+            sync_on_read.store(var, collectives.replicated_from_local(strategy, [c[i][1] for c in combined]), copies)
         else:
-            var._value = collectives.replicated_from_local(strategy, [r[1][i] for r in results])
-    outputs = []
-    for j in range(len(results[0][3])):
-        values = [r[3][j] for r in results]
-        if all(lifting.is_python_constant(v) for v in values) and all(v == values[0] for v in values):
-            outputs.append(values[0])  # TF's regroup: the same value on every replica is returned as it is
+            var._value = collectives.replicated_from_local(strategy, [c[i] for c in combined])
+
+
+def _outputs(strategy: Any, results: list) -> list:
+    """The step's outputs as PerReplica values (or the Python constant every replica returned)."""
+    records = [record for _, record in results]
+    all_rows = results[0][0][2]
+    outputs, arrays = [], [iter(out[1]) for out, _ in results]
+    mesh = strategy.extended.replica_mesh
+    for j, (kind, static) in enumerate(zip(records[0]["out_kinds"], records[0]["out_statics"])):
+        statics_now = [r["out_statics"][j] for r in records]
+        if all(r["out_kinds"][j] == lifting.STATIC_OUT for r in records) and all(s == statics_now[0] for s in statics_now):
+            outputs.append(static)  # TF's regroup: the same value on every replica is returned as it is
             continue
-        rows = None if all_rows is None else [int(n) for n in np.asarray(all_rows)[:, j]]
-        if rows is not None and rows[0] < 0:
-            rows = None
-        array, lengths_out = collectives.per_replica_from_local(strategy, values, rows)
+        # Each replica's output comes as (1, ...) from its program.
+        values = [next(a) if r["out_kinds"][j] != lifting.STATIC_OUT else jax.device_put(np.asarray(r["out_statics"][j])[None], device)
+                  for a, r, device in zip(arrays, records, mesh.local_devices)]
+        rows_out = None if all_rows is None else [int(n) for n in np.asarray(all_rows)[:, j]]
+        if rows_out is not None and rows_out[0] < 0:
+            rows_out = None
+        shapes = {v.shape for v in values}
+        if len(shapes) == 1 and (rows_out is None or len(set(rows_out)) == 1):
+            array = jax.make_array_from_single_device_arrays((len(mesh.devices), *values[0].shape[1:]), mesh.per_replica_sharding, values)
+            outputs.append(PerReplica._from_array(strategy, array, None, _host_sum(strategy, values)))
+            continue
+        array, lengths_out = collectives.per_replica_from_local(strategy, [v[0] for v in values], rows_out)
         outputs.append(PerReplica._from_array(strategy, array, lengths_out))
-    return jax.tree_util.tree_unflatten(out_tree, outputs)
+    return outputs
 
 
-@dataclasses.dataclass
-class _LocalProgram:
-    """One replica's part of an uneven step, compiled for its shapes (replicas of one shape share it)."""
-
-    compiled: Any
-    written: list
-    plain: frozenset
-    updates: frozenset
-    out_tree: Any
-    out_kinds: list
-    out_statics: list
+def _host_sum(strategy: Any, values: list) -> Any:
+    """A small output's sum over the replicas, on this worker's first device (what ``reduce(SUM, axis=None)`` reads)."""
+    if jax.process_count() > 1 or values[0].size > lifting.FUSED_REDUCE_MAX_SIZE or not jnp.issubdtype(values[0].dtype, jnp.number):
+        return None
+    total = np.sum(np.concatenate(jax.device_get(values)), axis=0, dtype=values[0].dtype)
+    return jax.device_put(total, strategy.extended.replica_mesh.local_devices[0])
 
 
-_EAGER = "eager"  # cached in place of a _LocalProgram: this code runs eagerly per replica
-_LOCAL_TRACE_LOCK = threading.Lock()
+def _replica_function(fn, treedef, kinds, statics, known, write_vars, cuts):
+    """``fn`` as ``function(record, *known_values, *input_blocks) -> (combined variables, outputs, output rows)``.
 
+    ``cuts``: per input, how the replica's value is cut from its block: ``"rows"`` (a padded PerReplica:
+    the replica's real rows), ``"block"`` (a PerReplica: the block's one row), None (the value itself).
+    """
+    num_known = len(known)
+    multi_process = jax.process_count() > 1
 
-@functools.lru_cache(maxsize=None)
-def _replica_id_on(replica: int, device: Any) -> jax.Array:
-    """The int32 replica id on its device, the argument of a replica's compiled program (made once)."""
-    return jax.device_put(jnp.asarray(replica, jnp.int32), device)
+    def function(record: dict, *flat):
+        context = _context.current_replica_context()
+        eager = context._runs_eagerly
+        known_in = flat[:num_known]
+        blocks = flat[num_known:]
+        dynamic_in = iter(b if cut is None else (b[0, :context._rows] if cut == "rows" else b[0]) for b, cut in zip(blocks, cuts))
+        stat = iter(statics)
+        leaves = [next(stat) if kind == lifting.STATIC else next(dynamic_in) for kind in kinds]
+        args, kwargs = jax.tree_util.tree_unflatten(treedef, leaves)
+        by_id = {id(v): x for v, x in zip(known, known_in)}
+        scope = lifting.LiftingScope(dict(by_id), device=context._device if eager else None)
+        with scope:
+            result = fn(*args, **kwargs)
+        written = list(write_vars) + [v for v in scope.written.values() if all(w is not v for w in write_vars)]
+        if not eager and (scope.missing or any(id(v) not in by_id for v in written)):
+            raise uneven.NeedsEager("a variable the discovery did not see")
+        old = [by_id[id(v)] if id(v) in by_id else lifting.local_value(v, context._device) for v in written]
+        new = [scope.state_mapping[id(v)] if id(v) in scope.written else o for v, o in zip(written, old)]
+        combined = sync_on_read.combine_all(context, written, new, old, frozenset(scope.plain), frozenset(scope.updates))
+        out_leaves, record["out_tree"] = jax.tree_util.tree_flatten(result, is_leaf=lifting.is_keras_variable)
+        record["written"] = written
+        record["out_kinds"] = [lifting.STATIC_OUT if lifting.is_python_constant(x) else lifting.ARRAY_OUT for x in out_leaves]
+        record["out_statics"] = [x if lifting.is_python_constant(x) else None for x in out_leaves]
+        arrays = [lifting.as_output(x) for x in out_leaves if not lifting.is_python_constant(x)]
+        rows = None
+        if multi_process and out_leaves:
+            # Every replica's dim 0 of each output: the other workers' PerReplica pieces need them.
+            dims = [jnp.shape(x)[0] if jnp.ndim(x) else -1 for x in (lifting.as_output(x) for x in out_leaves)]
+            rows = context._everyones(jnp.asarray(dims, jnp.int32))
+        return combined, [x[None] for x in arrays], rows
+
+    return function
 
 
 def _strongly_typed(x: Any) -> Any:
     """``x`` without JAX's weak type (a variable's first value may be weakly typed, its later ones not):
     one compiled replica program serves every step."""
     return lax.convert_element_type(x, x.dtype) if getattr(x, "weak_type", False) else x
-
-
-def _local_program(strategy, fn, treedef, kinds, statics, key, known, write_vars, context, known_vals, dynamic_local) -> "_LocalProgram | None":
-    """Compiles ``fn`` for this replica's real shapes, its collectives as host callbacks (uneven.py).
-
-    Returns None where ``fn`` cannot be one program for a replica: a Python value
-    of a traced array, an ``all_gather``, a variable it reads that the step's
-    discovery did not see; the replicas then run it eagerly.
-    """
-    signature = tuple((tuple(np.shape(x)), np.asarray(x).dtype if not isinstance(x, jax.Array) else x.dtype) for x in dynamic_local)
-    # Replicas of one shape trace it once (the others wait here) and share the program.
-    with _LOCAL_TRACE_LOCK:
-        return _trace_local_program(strategy, fn, treedef, kinds, statics, ("uneven-local", key, signature), known, write_vars, context, known_vals, dynamic_local)
-
-
-def _trace_local_program(strategy, fn, treedef, kinds, statics, cache_key, known, write_vars, context, known_vals, dynamic_local) -> "_LocalProgram | None":
-    ext = strategy.extended
-    cached = ext.programs.get(cache_key)
-    if cached is not None:
-        return None if cached is _EAGER else cached
-    record: dict = {}
-
-    def local_fn(known_in, dynamic_in, replica_id):
-        dyn, stat = iter(dynamic_in), iter(statics)
-        leaves = [next(stat) if kind == lifting.STATIC else next(dyn) for kind in kinds]
-        args, kwargs = jax.tree_util.tree_unflatten(treedef, leaves)
-        scope = lifting.LiftingScope({id(v): x for v, x in zip(known, known_in)})
-        with context._tracing_replica_id(replica_id), context._compiling(), scope:
-            result = fn(*args, **kwargs)
-        written = list(write_vars) + [v for i, v in scope.written.items() if all(w is not v for w in write_vars)]
-        by_id = {id(v): x for v, x in zip(known, known_in)}
-        if scope.missing or any(id(v) not in by_id for v in written):
-            raise uneven.NeedsEager("a variable the discovery did not see")
-        out_leaves, record["out_tree"] = jax.tree_util.tree_flatten(result, is_leaf=lifting.is_keras_variable)
-        record["written"], record["plain"] = written, frozenset(scope.plain)
-        record["updates"] = frozenset(scope.updates)
-        record["out_kinds"] = [lifting.STATIC_OUT if lifting.is_python_constant(x) else lifting.ARRAY_OUT for x in out_leaves]
-        record["out_statics"] = [x if lifting.is_python_constant(x) else None for x in out_leaves]
-        new = [scope.state_mapping[id(v)] if id(v) in scope.written else by_id[id(v)] for v in written]
-        return [jnp.asarray(n, dtype=v.dtype) for n, v in zip(new, written)], [lifting.as_output(x) for x in out_leaves if not lifting.is_python_constant(x)]
-
-    replica_id = _replica_id_on(context._replica, context._device)
-    try:
-        traced = jax.jit(local_fn).trace(known_vals, dynamic_local, replica_id)
-    except Exception:  # noqa: BLE001 - any code the tracer cannot take runs eagerly, as before
-        ext.programs[cache_key] = _EAGER
-        return None
-    finally:
-        initialize_all_variables()
-    # Traced once per shape; compiled once per device from the traced program (jit's cache).
-    flat = jax.jit(jax.extend.core.jaxpr_as_fun(traced.jaxpr))
-    num_written = len(record["written"])
-
-    def compiled(known_in, dynamic_in, replica_id):
-        outs = flat(*known_in, *dynamic_in, replica_id)
-        return outs[:num_written], outs[num_written:]
-
-    program = _LocalProgram(compiled=compiled, **record)
-    ext.programs[cache_key] = program
-    return program

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import re
 from typing import Any
 
@@ -140,6 +141,7 @@ def defer(obj: Any, apply: Any) -> None:
     """
     build = obj.build
 
+    @functools.wraps(build)  # Keras passes build() the shapes its signature names (Sequential: input_shape)
     def build_then_restore(*args: Any, **kwargs: Any) -> Any:
         result = build(*args, **kwargs)
         obj.build = build
@@ -147,6 +149,20 @@ def defer(obj: Any, apply: Any) -> None:
         return result
 
     obj.build = build_then_restore
+
+
+@contextlib.contextmanager
+def outside_name_scopes() -> Any:
+    """Keras name scopes cleared (an optimizer built by a model's deferred restoration, inside the model's
+    build, names its slots as when built on its own: ``adam/...``, not ``sequential/adam/...``)."""
+    from distribute._keras import global_state
+
+    stack = global_state.get_global_attribute("name_scope_stack")
+    global_state.set_global_attribute("name_scope_stack", [])
+    try:
+        yield
+    finally:
+        global_state.set_global_attribute("name_scope_stack", stack)
 
 
 def entries_by_object(record: dict) -> dict[str, list[dict]]:

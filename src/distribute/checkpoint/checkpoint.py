@@ -284,5 +284,5 @@ class Checkpoint:
             if not _state.is_optimizer(obj) or obj.built or len(saved.get(name, [])) <= len(obj.variables):
                 continue
             if trainable:
-                with _state.scope_of(_state.strategy_of(trainable)):
+                with _state.scope_of(_state.strategy_of(trainable)), _state.outside_name_scopes():
                     obj.build(trainable)

@@ -8,11 +8,11 @@ import jax
 import jax.numpy as jnp
 
 from distribute import _context
-from distribute._keras import get_stateless_scope
+from distribute._keras import get_stateless_scope, initialize_all_variables
 from distribute.lifting import LiftingScope
 
 
-def compute_gradients(loss_fn: Callable[[], Any], variables: Sequence[Any], has_aux: bool = False) -> tuple:
+def compute_gradients(loss_fn: Callable[[], Any], variables: "Sequence[Any] | Callable[[], Sequence[Any]]", has_aux: bool = False) -> tuple:
     """Computes ``loss_fn()`` and its gradients with respect to Keras ``variables``.
 
     The one-line port of a ``tf.GradientTape`` block: the recorded code moves into
@@ -32,9 +32,16 @@ def compute_gradients(loss_fn: Callable[[], Any], variables: Sequence[Any], has_
     A loss that is not a scalar (a per-example loss of shape ``(batch,)``) is
     differentiated through its sum, as ``tape.gradient`` does, and returned as it is.
 
+    A model built lazily by ``loss_fn`` (its first call, as in TF's tutorials, where
+    ``tape.gradient(loss, model.trainable_variables)`` reads the variables after the
+    block ran) has no variables before: pass them as a function,
+    ``lambda: model.trainable_variables``; while it returns none, ``loss_fn`` is
+    first run once, its results and assignments thrown away, to build the model.
+
     Args:
         loss_fn: computes the loss (or ``(loss, aux)`` with ``has_aux``).
-        variables: the Keras variables to differentiate with respect to.
+        variables: the Keras variables to differentiate with respect to, or a
+            function without arguments returning them.
         has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
 
     Returns:
@@ -46,9 +53,9 @@ def compute_gradients(loss_fn: Callable[[], Any], variables: Sequence[Any], has_
     Raises:
         TypeError: the loss is not floating point (as ``jax.grad``).
     """
-    variables = list(variables)
     parent = get_stateless_scope()
     parent = parent if isinstance(parent, LiftingScope) else None
+    variables = _variables(variables, loss_fn, parent)
     written: dict = {}
 
     def pure(float_values):
@@ -84,3 +91,20 @@ def compute_gradients(loss_fn: Callable[[], Any], variables: Sequence[Any], has_
     for variable, value in zip(written.values(), updates):
         variable.assign(value)
     return ((loss, aux), grads) if has_aux else (loss, grads)
+
+
+def _variables(variables: Any, loss_fn: Callable[[], Any], parent: "LiftingScope | None") -> list:
+    """The variables to differentiate; a function of them is called after building what ``loss_fn`` builds."""
+    if not callable(variables):
+        return list(variables)
+    found = list(variables())
+    if found:
+        return found
+    # Nothing to differentiate yet: the model is built by loss_fn's first call (TF's lazy build).
+    # Run it once in a throwaway scope (nothing it assigns is kept); the variables it creates are
+    # deferred by Keras and initialized at once, or by the trace in progress when there is one.
+    with LiftingScope({}, parent=parent):
+        loss_fn()
+    if parent is None:
+        initialize_all_variables()
+    return list(variables())

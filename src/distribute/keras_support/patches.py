@@ -46,7 +46,7 @@ import distribute.keras_support.optimizers as optimizers
 import distribute.keras_support.variables as variables
 import distribute.keras_support.ps_hooks as ps_hooks
 import distribute.keras_support.saving as saving
-import distribute.keras_support.trainer as trainer
+import distribute.keras_support.model_methods as model_methods
 
 _SELF = "(self)"
 _VALUE = "(self, value)"
@@ -117,34 +117,34 @@ CORE: tuple[Patch, ...] = (
           "(inputs, initial_state, mask, kernel, recurrent_kernel, bias, activation, recurrent_activation, "
           "return_sequences=False, go_backwards=False, unroll=False, reset_after=True)",
           "the same, for the fused GRU"),
-    # -- models: compile, fit, evaluate, predict (trainer.py) --
-    Patch(Trainer, "compile", trainer.compile_wrapper,
+    # -- models: compile, fit, evaluate, predict (model_methods.py, trainer.py) --
+    Patch(Trainer, "compile", model_methods.compile_wrapper,
           "(self, optimizer='rmsprop', loss=None, loss_weights=None, metrics=None, weighted_metrics=None, "
           "run_eagerly=False, steps_per_execution=1, jit_compile='auto', auto_scale_loss=True)",
           "a model compiled in scope remembers its strategy; metrics made outside are adopted, as TF"),
-    Patch(JAXTrainer, "fit", trainer.in_scope, _FIT, "runs in the model's strategy scope; datasets are adapted"),
-    Patch(JAXTrainer, "evaluate", trainer.in_scope, _EVALUATE, "the same, for evaluate"),
-    Patch(JAXTrainer, "predict", trainer.in_scope, _PREDICT, "the same, for predict"),
-    Patch(JAXTrainer, "train_on_batch", trainer.in_scope,
+    Patch(JAXTrainer, "fit", model_methods.in_scope, _FIT, "runs in the model's strategy scope; datasets are adapted"),
+    Patch(JAXTrainer, "evaluate", model_methods.in_scope, _EVALUATE, "the same, for evaluate"),
+    Patch(JAXTrainer, "predict", model_methods.in_scope, _PREDICT, "the same, for predict"),
+    Patch(JAXTrainer, "train_on_batch", model_methods.in_scope,
           "(self, x, y=None, sample_weight=None, class_weight=None, return_dict=False)", "the same, for train_on_batch"),
-    Patch(JAXTrainer, "test_on_batch", trainer.in_scope, "(self, x, y=None, sample_weight=None, return_dict=False)",
+    Patch(JAXTrainer, "test_on_batch", model_methods.in_scope, "(self, x, y=None, sample_weight=None, return_dict=False)",
           "the same, for test_on_batch"),
-    Patch(JAXTrainer, "predict_on_batch", trainer.in_scope, "(self, x)", "the same, for predict_on_batch"),
-    Patch(JAXTrainer, "make_train_function", trainer.routed_to("train"), _FORCE,
+    Patch(JAXTrainer, "predict_on_batch", model_methods.in_scope, "(self, x)", "the same, for predict_on_batch"),
+    Patch(JAXTrainer, "make_train_function", model_methods.routed_to("train"), _FORCE,
           "a distributed model's train step runs on every replica (the engine's programs)"),
-    Patch(JAXTrainer, "make_test_function", trainer.routed_to("test"), _FORCE, "the same, for the test step"),
-    Patch(JAXTrainer, "make_predict_function", trainer.routed_to("predict"), _FORCE, "the same, for the predict step"),
+    Patch(JAXTrainer, "make_test_function", model_methods.routed_to("test"), _FORCE, "the same, for the test step"),
+    Patch(JAXTrainer, "make_predict_function", model_methods.routed_to("predict"), _FORCE, "the same, for the predict step"),
     Patch(JAXTrainer, "_get_jax_state", variables.whole_state,
           "(self, trainable_variables=False, non_trainable_variables=False, optimizer_variables=False, "
           "metrics_variables=False, purge_model_variables=False)",
           "fit's loop state is the variables' replicated arrays (no cross-replica copy)"),
-    Patch(Layer, "__setattr__", trainer.untracked_loop_state, "(self, name, value)",
+    Patch(Layer, "__setattr__", model_methods.untracked_loop_state, "(self, name, value)",
           "fit's per-step loop state is stored untracked on a distributed model"),
-    Patch(keras.callbacks.CallbackList, "on_train_batch_end", trainer.batch_end_of("train"), _BATCH_END,
+    Patch(keras.callbacks.CallbackList, "on_train_batch_end", model_methods.batch_end_of("train"), _BATCH_END,
           "a batch-end call no callback listens to is skipped (no device-to-host read)"),
-    Patch(keras.callbacks.CallbackList, "on_test_batch_end", trainer.batch_end_of("test"), _BATCH_END,
+    Patch(keras.callbacks.CallbackList, "on_test_batch_end", model_methods.batch_end_of("test"), _BATCH_END,
           "the same, for evaluate"),
-    Patch(keras.callbacks.CallbackList, "on_predict_batch_end", trainer.batch_end_of("predict"), _BATCH_END,
+    Patch(keras.callbacks.CallbackList, "on_predict_batch_end", model_methods.batch_end_of("predict"), _BATCH_END,
           "the same, for predict"),
     GET_DATA_ADAPTER,
 )

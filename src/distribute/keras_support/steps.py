@@ -171,39 +171,6 @@ def _update_metrics(model, context, start_vars, metrics_vars, loss, output_losse
     return logs, new
 
 
-class _Local:
-    """A step's per-replica computation (forward, backward, this replica's metrics), compiled.
-
-    In the SPMD program it is traced inline.  In an uneven step every replica
-    thread calls it, compiled once per replica shape (``jax.jit``; the replica id
-    is an argument, so replicas of one shape share the program), instead of
-    running Keras op by op; a model whose forward pass itself makes collectives
-    (synchronized BatchNorm) runs eagerly instead, as collectives there need
-    concrete values.
-    """
-
-    def __init__(self, fn: Any):
-        self._fn = fn
-        self._compiled = jax.jit(self._with_replica_id, static_argnames=("global_rows",))
-        self._eager = False
-
-    def _with_replica_id(self, replica_id, *args, global_rows):
-        context = _context.current_replica_context()
-        with context._tracing_replica_id(replica_id):
-            return self._fn(*args)
-
-    def __call__(self, context: Any, *args) -> Any:
-        if not context._runs_eagerly or self._eager:
-            return self._fn(*args)
-        try:
-            return self._compiled(jnp.asarray(context._replica, jnp.int32), *args, global_rows=context._global_rows)
-        except TypeError as err:
-            if "under a JAX transformation" not in str(err):
-                raise
-            self._eager = True
-            return self._fn(*args)
-
-
 def train_step(model: Any, strategy: Any, variables: list, treedef: Any):
     """One replica's training step; ``variables`` = [trainable, non_trainable, optimizer, metrics]."""
     num_replicas = strategy.num_replicas_in_sync
@@ -226,12 +193,10 @@ def train_step(model: Any, strategy: Any, variables: list, treedef: Any):
         new_metrics = _compiled_metrics(model, new_metrics, x, y, y_pred, sample_weight)
         return loss, new_non_trainable, new_metrics, output_losses, grads
 
-    local = _Local(local)
-
     def step(state, leaves):
         context = _context.current_replica_context()
         trainable, non_trainable, opt_vars, metrics_vars = state
-        loss, new_non_trainable, new_metrics, output_losses, grads = local(context, trainable, non_trainable, opt_vars, metrics_vars, leaves)
+        loss, new_non_trainable, new_metrics, output_losses, grads = local(trainable, non_trainable, opt_vars, metrics_vars, leaves)
         logs, new_metrics = _update_metrics(model, context, metrics_vars, new_metrics, loss, output_losses)
         grads = context._sum_gradients(grads)
         with _context.leave_replica():  # the hooked optimizer would sum again
@@ -258,12 +223,10 @@ def test_step(model: Any, strategy: Any, variables: list, treedef: Any):
         loss, y_pred, new_non_trainable, new_metrics, output_losses = _loss(model, trainable, non_trainable, metrics_vars, x, y, loss_weight, False, num_replicas)
         return loss, new_non_trainable, _compiled_metrics(model, new_metrics, x, y, y_pred, sample_weight), output_losses
 
-    local = _Local(local)
-
     def step(state, leaves):
         context = _context.current_replica_context()
         trainable, non_trainable, metrics_vars = state
-        loss, new_non_trainable, new_metrics, output_losses = local(context, trainable, non_trainable, metrics_vars, leaves)
+        loss, new_non_trainable, new_metrics, output_losses = local(trainable, non_trainable, metrics_vars, leaves)
         logs, new_metrics = _update_metrics(model, context, metrics_vars, new_metrics, loss, output_losses)
         return logs, (list(trainable), context._combine_all(variables[1], new_non_trainable, non_trainable), new_metrics)
 
@@ -278,12 +241,10 @@ def predict_step(model: Any, strategy: Any, variables: list, treedef: Any):
         kwargs = {"training": False} if model._call_has_training_arg else {}
         return model.stateless_call(trainable, non_trainable, x, **kwargs)
 
-    local = _Local(local)
-
     def step(state, leaves):
         context = _context.current_replica_context()
         trainable, non_trainable = state
-        outputs, new_non_trainable = local(context, trainable, non_trainable, leaves)
+        outputs, new_non_trainable = local(trainable, non_trainable, leaves)
         return outputs, (list(trainable), context._combine_all(variables[1], new_non_trainable, non_trainable))
 
     return step

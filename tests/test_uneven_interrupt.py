@@ -1,0 +1,51 @@
+"""Ctrl-C during uneven steps is a clean KeyboardInterrupt (exit status 130 in a shell), never an abort.
+
+The replica threads of an eager uneven step and fit's compile-ahead thread used to be daemons the caller
+joined: a join interrupted by Ctrl-C marks the thread finished (CPython 3.11), and the interpreter then ended
+it inside XLA at exit, which aborted the process ("terminate called after throwing an instance of ...",
+"FATAL: exception not rethrown", exit 134).  Each case interrupts tests/uneven_interrupt_job.py while the
+caller waits for such a thread (the compiled uneven step runs no thread); the two run side by side.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+HERE = pathlib.Path(__file__).resolve()
+CASES = {"eager": 1.0, "compile_ahead": 1.0}  # kind -> seconds from its 2nd STEP to Ctrl-C
+
+
+def _start(kind: str) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parents[1] / "src"), os.environ.get("PYTHONPATH", "")])}
+    return subprocess.Popen([sys.executable, str(HERE.parent / "uneven_interrupt_job.py"), kind], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+@pytest.mark.multiprocess
+def test_ctrl_c_during_uneven_steps_is_a_clean_keyboard_interrupt():
+    processes = {kind: _start(kind) for kind in CASES}
+    try:
+        for kind, process in processes.items():
+            for _ in range(2):
+                line = process.stdout.readline()
+                assert line.strip() == "STEP", (kind, line, process.stderr.read()[-3000:] if process.poll() is not None else "")
+        for kind, process in processes.items():
+            time.sleep(CASES[kind])
+            process.send_signal(signal.SIGINT)
+        for kind, process in processes.items():
+            _, err = process.communicate(timeout=120)
+            assert process.returncode == -signal.SIGINT, (kind, process.returncode, err[-3000:])
+            assert "KeyboardInterrupt" in err, (kind, err[-3000:])
+            assert "terminate called" not in err and "FATAL" not in err, (kind, err[-3000:])
+    finally:
+        for process in processes.values():
+            if process.poll() is None:
+                process.kill()
+                process.wait()
