@@ -128,7 +128,7 @@ def _agree_across_workers(strategy: Any, programs: list | None, rounds: list | N
         "collectives": [[kind, repr(params), [list(s) for s in shapes]] for kind, params, shapes in programs[0].signature()],
         "rounds": list(rounds),
     }
-    gathered = strategy.extended._agree_on_shapes([local], "the collectives of an uneven step")
+    gathered = strategy.extended.agree_on_shapes([local], "the collectives of an uneven step")
     every = [g[0] for g in gathered]
     if any(g is None for g in every):
         return None

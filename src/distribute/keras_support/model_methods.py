@@ -17,6 +17,7 @@ import numpy as np
 
 from distribute import _context
 from distribute._keras import DataAdapter, tree
+from distribute.keras_support import trainer
 from distribute.keras_support.data_adapter import adapt
 from distribute.mesh_strategy import MeshStrategy
 
@@ -175,6 +176,6 @@ def routed(original, kind):
         strategy = model_strategy(self)
         if strategy is None:
             return original(self, force)
-        return make_function(self, strategy, force, kind)
+        return trainer.make_function(self, strategy, force, kind)
 
     return make_function
