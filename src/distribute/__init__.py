@@ -38,6 +38,8 @@ _EXPORTS = {
     "InputOptions": "distribute.input",
     "InputReplicationMode": "distribute.input",
     "compute_gradients": "distribute.keras_support.gradients",
+    "GradientTape": "distribute.tape",
+    "UnconnectedGradients": "distribute.tape",
     "compute_average_loss": "distribute.losses",
     "scale_regularization_loss": "distribute.losses",
     "MirroredStrategy": "distribute.mirrored",

@@ -15,7 +15,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
-from distribute import sync_on_read
+from distribute import _invocation, sync_on_read
 from distribute._keras import KerasVariable, StatelessScope
 from distribute.values import DistributedValues, Mirrored
 
@@ -55,6 +55,7 @@ class LiftingScope(StatelessScope):
         self.placeholders = placeholders
         self.updates: set[int] = set()  # variables an optimizer updated (TF: extended.update, cross-replica)
         self.update_depth = 0  # > 0 inside an optimizer's apply
+        self.observe_reads = True  # reads pass through _invocation.on_read (a GradientTape's recording)
 
     def add_update(self, update: tuple) -> None:
         variable, value = update
@@ -71,12 +72,16 @@ class LiftingScope(StatelessScope):
         value = self.state_mapping.get(id(variable))
         if value is None and self.parent is not None:
             value = self.parent.get_current_value(variable)
+            if value is not None:
+                return value  # the parent passed it to on_read
         if value is None and self.device is not None and variable._value is not None:
             value = self.state_mapping[id(variable)] = local_value(variable, self.device)
         if value is None:
             self.missing[id(variable)] = variable
             if self.placeholders and variable._value is not None:
                 value = jnp.zeros(variable.shape, variable.dtype)
+        if value is not None and self.observe_reads:
+            value = _invocation.on_read(self, variable, value)
         return value
 
 

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from distribute import collectives, lifting, sync_on_read, uneven
+from distribute import _invocation, collectives, lifting, sync_on_read, uneven
 from distribute._keras import initialize_all_variables
 from distribute.values import PerReplica
 
@@ -59,7 +59,7 @@ def run(strategy, fn, treedef, kinds, dynamic, statics, key, lengths, program) -
             args, kwargs = jax.tree_util.tree_unflatten(treedef, leaves)
             scope = lifting.LiftingScope({id(v): x for v, x in zip(known, known_vals)}, device=context._device)
             with scope:
-                result = fn(*args, **kwargs)
+                result = _invocation.call(fn, args, kwargs)
             written = list(program.write_vars) + [v for i, v in scope.written.items() if all(w is not v for w in program.write_vars)]
             old = [lifting.local_value(v, context._device) for v in written]
             new = [scope.state_mapping[id(v)] if id(v) in scope.written else o for v, o in zip(written, old)]
@@ -161,7 +161,7 @@ def _trace_local_program(strategy, fn, treedef, kinds, statics, cache_key, known
         args, kwargs = jax.tree_util.tree_unflatten(treedef, leaves)
         scope = lifting.LiftingScope({id(v): x for v, x in zip(known, known_in)})
         with context._tracing_replica_id(replica_id), context._compiling(), scope:
-            result = fn(*args, **kwargs)
+            result = _invocation.call(fn, args, kwargs)
         written = list(write_vars) + [v for i, v in scope.written.items() if all(w is not v for w in write_vars)]
         by_id = {id(v): x for v, x in zip(known, known_in)}
         if scope.missing or any(id(v) not in by_id for v in written):

@@ -39,6 +39,7 @@ from distribute.keras_support.ps_hooks import (
     initialize_all_variables,
     without_clipping,
 )
+from distribute import _invocation
 from distribute.tracing import check_ownership
 
 ITER, ARRAY, STATIC = 0, 1, 2
@@ -207,7 +208,7 @@ def _step_body(strategy, fn, treedef, kinds, statics, iter_specs, counts, read_v
         leaves = [next(it_iter) if k == ITER else next(arg_iter) if k == ARRAY else next(static_iter) for k in kinds]
         args, kwargs = jax.tree_util.tree_unflatten(treedef, leaves)
         with strategy.scope(), strategy.extended._scheduling(), scope:
-            result = fn(*args, **kwargs)
+            result = _invocation.call(fn, args, kwargs)
         record.missing, record.written = scope.missing, scope.written
         record.counts = [it.count for it in iterators]
         result_leaves, record.out_tree = jax.tree_util.tree_flatten(result, is_leaf=lambda x: isinstance(x, KerasVariable))
