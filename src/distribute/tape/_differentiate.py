@@ -24,9 +24,10 @@ class _Plan:
     """Where the tape recorded and where each source enters, by equation index of the replay's jaxpr."""
 
     recorded: list  # per equation: recorded by the tape
-    tag_sources: dict  # tag equation index -> source index (a recorded read of a source variable)
-    watch_sources: dict  # watch marker index -> source index (tape.watch of a source tensor)
-    out_sources: dict  # (equation index, out position) -> source index (an intermediate source)
+    tag_sources: dict  # tag equation index -> source indices (a recorded read of a source variable)
+    watch_sources: dict  # watch marker index -> source indices (tape.watch of a source tensor)
+    out_sources: dict  # (equation index, out position) -> source indices (an intermediate source)
+    avals: dict  # source index -> the abstract value where it enters (its delta's type)
     connected: list  # per source: the target depends on it through recorded equations
     stopped: dict  # equation index -> positions of inputs whose tangent stops there
     live: list  # per equation: needed for the targets
@@ -86,15 +87,27 @@ def _plan(jaxpr: Any, child: "_level.Level", ordinal: int, source_leaves: list, 
           target_vars: list) -> _Plan:
     eqns = jaxpr.eqns
     recorded = _recorded(eqns, ordinal)
-    by_variable = {id(s): i for i, s in enumerate(source_leaves) if isinstance(s, KerasVariable) and _is_inexact(s)}
-    tensor_sources = {v: i for i, v in enumerate(source_vars) if isinstance(v, jax_core.Var) and _is_inexact(source_leaves[i])}
-    tag_sources, watch_sources, out_sources = {}, {}, {}
+    by_variable: dict = {}
+    for i, s in enumerate(source_leaves):
+        if isinstance(s, KerasVariable) and _is_inexact(s):
+            by_variable.setdefault(id(s), []).append(i)
+    tensor_sources: dict = {}
+    for i, v in enumerate(source_vars):
+        if isinstance(v, jax_core.Var) and _is_inexact(source_leaves[i]):
+            tensor_sources.setdefault(v, []).append(i)
+    tag_sources, watch_sources, out_sources, avals = {}, {}, {}, {}
+    entered: set = set()  # tensor sources injected already
     bits: dict = {}  # var -> bit mask of the sources whose tangents it carries
-    roots: dict = {}  # var -> True when on the tape (depends on what the tape watches)
+    roots: dict = {}  # var -> on the tape (depends on what the tape watches)
     stopped: dict = {}
 
     def mask(atom: Any) -> int:
         return 0 if isinstance(atom, jax_core.Literal) else bits.get(atom, 0)
+
+    def enter(sources: list, var: Any) -> int:
+        for i in sources:
+            avals.setdefault(i, var.aval)
+        return sum(1 << i for i in sources)
 
     for index, eqn in enumerate(eqns):
         if eqn.primitive is _replay.tag_p:
@@ -103,29 +116,28 @@ def _plan(jaxpr: Any, child: "_level.Level", ordinal: int, source_leaves: list, 
             mine = recorded[index] and any(o == ordinal for o, _ in watchers)
             roots[out] = mine
             bits[out] = 0
-            source = by_variable.get(id(variable))
-            if mine and source is not None:
-                tag_sources[index] = source
-                bits[out] = 1 << source
+            sources = by_variable.get(id(variable))
+            if mine and sources:
+                tag_sources[index] = sources
+                bits[out] = enter(sources, out)
             if mask(eqn.invars[0]):
                 stopped[index] = (0,)  # a read is a fresh value: no gradient through an earlier assign
             continue
         if eqn.primitive is _replay.marker_p:
-            if eqn.params["kind"] == "watch" and eqn.params["tape"] == ordinal and recorded[index]:
-                var = eqn.invars[0]
-                if isinstance(var, jax_core.Var):
-                    roots[var] = True
-                    source = tensor_sources.get(var)
-                    if source is not None and source not in watch_sources.values():
-                        watch_sources[index] = source
-                        bits[var] = bits.get(var, 0) | (1 << source)
+            var = eqn.invars[0] if eqn.invars else None
+            if eqn.params["kind"] == "watch" and eqn.params["tape"] == ordinal and recorded[index] and isinstance(var, jax_core.Var):
+                roots[var] = True
+                sources = [i for i in tensor_sources.get(var, []) if i not in entered]
+                if sources:
+                    entered.update(sources)
+                    watch_sources[index] = sources
+                    bits[var] = bits.get(var, 0) | enter(sources, var)
             continue
-        inputs = [a for a in eqn.invars if isinstance(a, jax_core.Var)]
-        if recorded[index]:
+        if recorded[index] and eqn.primitive.name != "stop_gradient":  # TF: stop_gradient has no gradient
             carried = 0
             on_tape = False
-            for a in inputs:
-                if _inexact_var(a):
+            for a in eqn.invars:
+                if isinstance(a, jax_core.Var) and _inexact_var(a):
                     carried |= bits.get(a, 0)
                     on_tape = on_tape or roots.get(a, False)
             for position, out in enumerate(eqn.outvars):
@@ -133,10 +145,11 @@ def _plan(jaxpr: Any, child: "_level.Level", ordinal: int, source_leaves: list, 
                     continue
                 bits[out] = carried
                 roots[out] = on_tape
-                source = tensor_sources.get(out)
-                if source is not None and on_tape and source not in watch_sources.values():
-                    out_sources[(index, position)] = source
-                    bits[out] |= 1 << source
+                sources = [i for i in tensor_sources.get(out, []) if i not in entered]
+                if sources and on_tape:
+                    entered.update(sources)
+                    out_sources[(index, position)] = sources
+                    bits[out] |= enter(sources, out)
         else:
             stops = tuple(p for p, a in enumerate(eqn.invars) if mask(a))
             if stops:
@@ -145,7 +158,7 @@ def _plan(jaxpr: Any, child: "_level.Level", ordinal: int, source_leaves: list, 
     for var in target_vars:
         reach |= mask(var)
     connected = [bool(reach >> i & 1) for i in range(len(source_leaves))]
-    return _Plan(recorded, tag_sources, watch_sources, out_sources, connected, stopped, _live(eqns, target_vars))
+    return _Plan(recorded, tag_sources, watch_sources, out_sources, avals, connected, stopped, _live(eqns, target_vars))
 
 
 def _inexact_var(var: Any) -> bool:
@@ -207,8 +220,19 @@ def _evaluate(closed: Any, plan: _Plan, level: "_level.Level", child: "_level.Le
         return {}
     substitutes = level.values  # the asking level's values of the replay's events (same numbering)
 
+    def entering(value: Any, sources: list, deltas: list) -> Any:
+        """``value`` where ``sources`` enter: their deltas' tangents join its tangent."""
+        chosen = [deltas[position[i]] for i in sources if i in position]
+        if not chosen:
+            return value
+        delta = chosen[0]
+        for d in chosen[1:]:
+            delta = delta + d
+        return _replay._inject(value, delta)
+
     def evaluate(deltas: list) -> list:
         env: dict = dict(zip(jaxpr.constvars, closed.consts))
+        injected: set = set()
 
         def read(atom: Any) -> Any:
             return atom.val if isinstance(atom, jax_core.Literal) else env[atom]
@@ -218,23 +242,24 @@ def _evaluate(closed: Any, plan: _Plan, level: "_level.Level", child: "_level.Le
                 continue
             if eqn.primitive is _replay.tag_p:
                 key = eqn.params["key"]
-                value = level.prepare(substitutes[key]) if key in substitutes else read(eqn.invars[0])
-                if index in plan.stopped and key not in substitutes:
-                    value = _replay._fresh(value)
-                source = plan.tag_sources.get(index)
-                if source is not None and source in position:
-                    value = _replay._inject(value, deltas[position[source]])
-                env[eqn.outvars[0]] = value
+                out = eqn.outvars[0]
+                if key in substitutes:
+                    value = _like(level, substitutes[key], out.aval)
+                else:
+                    value = read(eqn.invars[0])
+                    if index in plan.stopped:
+                        value = _replay._fresh(value)
+                env[out] = entering(value, plan.tag_sources.get(index, ()), deltas)
                 continue
             if eqn.primitive is _replay.marker_p:
-                if eqn.params["kind"] == "watch" and isinstance(eqn.invars[0], jax_core.Var) and eqn.invars[0] in env:
-                    var = eqn.invars[0]
+                var = eqn.invars[0] if eqn.invars else None
+                if eqn.params["kind"] == "watch" and isinstance(var, jax_core.Var) and var in env:
                     key = eqn.params["key"]
-                    if key in substitutes:
-                        env[var] = substitutes[key]
-                    source = plan.watch_sources.get(index)
-                    if source is not None and source in position:
-                        env[var] = _replay._inject(level.prepare(env[var]), deltas[position[source]])
+                    if key in substitutes and var not in injected:  # (keep a delta injected earlier)
+                        env[var] = _like(level, substitutes[key], var.aval)
+                    if index in plan.watch_sources:
+                        env[var] = entering(env[var], plan.watch_sources[index], deltas)
+                        injected.add(var)
                 continue
             values = [read(a) for a in eqn.invars]
             for p in plan.stopped.get(index, ()):
@@ -244,17 +269,15 @@ def _evaluate(closed: Any, plan: _Plan, level: "_level.Level", child: "_level.Le
                 outs = eqn.primitive.bind(*values, **params)
             outs = outs if eqn.primitive.multiple_results else [outs]
             for p, (var, value) in enumerate(zip(eqn.outvars, outs)):
-                source = plan.out_sources.get((index, p))
-                if source is not None and source in position:
-                    value = _replay._inject(level.prepare(value), deltas[position[source]])
                 if not isinstance(var, jax_core.DropVar):
-                    env[var] = value
+                    env[var] = entering(value, plan.out_sources.get((index, p), ()), deltas)
         return [level.prepare(jnp.asarray(read(target_vars[k]))) for k in inexact_targets]
 
     primals = []
     for source in wanted:
         shape, dtype = _shape_dtype(source_leaves[source])
-        primals.append(level.prepare(jnp.zeros(shape, dtype)))
+        aval = plan.avals[source]
+        primals.append(_like(level, jnp.zeros(aval.shape, aval.dtype), aval))
     outputs, pullback = jax.vjp(evaluate, primals)
     cotangents = _cotangents(level, outputs, output_gradients, inexact_targets, len(target_leaves))
     if jacobian is None:
@@ -262,6 +285,16 @@ def _evaluate(closed: Any, plan: _Plan, level: "_level.Level", child: "_level.Le
     else:
         grads = _jacobian(level, pullback, outputs, jacobian)
     return {source: g for source, g in zip(wanted, grads)}
+
+
+def _varying(aval: Any) -> bool:
+    mat = getattr(aval, "mat", None)
+    return bool(getattr(mat, "varying", None) or getattr(aval, "vma", None))
+
+
+def _like(level: "_level.Level", value: Any, aval: Any) -> Any:
+    """``value`` typed as ``aval`` is (per-replica when it is)."""
+    return level.prepare(value) if _varying(aval) else value
 
 
 def _cotangents(level: "_level.Level", outputs: list, output_gradients: Any, inexact_targets: list, num_targets: int) -> list:
@@ -285,13 +318,14 @@ def _jacobian(level: "_level.Level", pullback: Any, outputs: list, kind: str) ->
     (output,) = outputs
     if kind == "full":
         basis = jnp.eye(output.size, dtype=output.dtype).reshape((output.size, *output.shape))
-        rows = jax.vmap(lambda c: pullback([c])[0])(basis)
+        rows = jax.vmap(lambda c: pullback([c])[0])(level.prepare(basis))
         return [r.reshape((*output.shape, *r.shape[1:])) for r in rows]
     batch, inner = output.shape[0], output.shape[1:]
     size = 1
     for d in inner:
         size *= d
     basis = jnp.broadcast_to(jnp.eye(size, dtype=output.dtype).reshape((size, 1, *inner)), (size, batch, *inner))
+    basis = level.prepare(basis)
     rows = jax.vmap(lambda c: pullback([c])[0])(basis)
     # rows: (size, batch, *source_rest) -> (batch, *inner, *source_rest)
     return [jnp.moveaxis(r, 0, 1).reshape((batch, *inner, *r.shape[2:])) for r in rows]

@@ -156,6 +156,12 @@ class Level:
         self.values[key] = tensor
         self.mark("watch", state.ordinal, key, tensor)
 
+    def prepare_input(self, x: Any) -> Any:
+        """An argument of the replayed call: its arrays per-replica (others unchanged)."""
+        if isinstance(x, (jax.Array, jax.core.Tracer)) and jnp.issubdtype(x.dtype, jnp.inexact):
+            return self.prepare(x)
+        return x
+
     def prepare(self, x: Any) -> Any:
         """``x`` as a per-replica value (its gradient stays this replica's, as TF's tape)."""
         if self.context is None:

@@ -143,9 +143,11 @@ def replay(level: "_level.Level", stop_at: int, ordinal: int) -> tuple:
         scope = ReplayScope(invocation.scope, invocation.snapshot)
         level_token = _level._LEVEL.set(child)
         hook_token = _invocation.set_read_hook(child.on_read)
+        # Arrays the call received become per-replica values here (each replica's gradients stay its own).
+        args, kwargs = jax.tree_util.tree_map(child.prepare_input, (invocation.args, invocation.kwargs))
         try:
             with scope:
-                invocation.fn(*invocation.args, **invocation.kwargs)
+                invocation.fn(*args, **kwargs)
         except _Stop as stop:
             return stop.outputs
         finally:
