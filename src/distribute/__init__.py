@@ -39,6 +39,7 @@ _EXPORTS = {
     "InputReplicationMode": "distribute.input",
     "compute_gradients": "distribute.keras_support.gradients",
     "GradientTape": "distribute.tape",
+    "function": "distribute.step_function",
     "UnconnectedGradients": "distribute.tape",
     "compute_average_loss": "distribute.losses",
     "scale_regularization_loss": "distribute.losses",

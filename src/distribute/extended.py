@@ -153,6 +153,7 @@ class StrategyExtended:
 
 def _require_cross_replica(what: str, fix: str) -> None:
     if _context.current_replica_context() is not None:
+        _context.check_cross_replica_call()  # a distribute.function's trace: it runs as Python instead
         raise RuntimeError(
             f"{what} may only be called in cross-replica context (outside strategy.run); "
             f"it was called inside the replica function. Inside run, {fix} instead."

@@ -112,6 +112,7 @@ class Strategy:
 
         _check_run_args(args, kwargs)
         if _context.current_replica_context() is not None:
+            _context.check_cross_replica_call()  # a distribute.function's trace: it runs as Python instead
             raise RuntimeError(
                 "strategy.run was called inside another strategy.run (in replica context). "
                 "Call the inner function directly instead."

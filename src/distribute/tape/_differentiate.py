@@ -16,7 +16,9 @@ import jax.numpy as jnp
 from jax.extend import core as jax_core
 
 from distribute._keras import KerasVariable
-from distribute.tape import _level, _replay
+import distribute.tape._level as _level
+import distribute.tape._marks as _marks
+import distribute.tape._replay as _replay
 
 
 @dataclasses.dataclass
@@ -110,7 +112,7 @@ def _plan(jaxpr: Any, child: "_level.Level", ordinal: int, source_leaves: list, 
         return sum(1 << i for i in sources)
 
     for index, eqn in enumerate(eqns):
-        if eqn.primitive is _replay.tag_p:
+        if eqn.primitive is _marks.tag_p:
             variable, watchers = child.tags[eqn.params["key"]]
             out = eqn.outvars[0]
             mine = recorded[index] and any(o == ordinal for o, _ in watchers)
@@ -123,7 +125,7 @@ def _plan(jaxpr: Any, child: "_level.Level", ordinal: int, source_leaves: list, 
             if mask(eqn.invars[0]):
                 stopped[index] = (0,)  # a read is a fresh value: no gradient through an earlier assign
             continue
-        if eqn.primitive is _replay.marker_p:
+        if eqn.primitive is _marks.marker_p:
             var = eqn.invars[0] if eqn.invars else None
             if eqn.params["kind"] == "watch" and eqn.params["tape"] == ordinal and recorded[index] and isinstance(var, jax_core.Var):
                 roots[var] = True
@@ -172,7 +174,7 @@ def _recorded(eqns: list, ordinal: int) -> list:
     start = None
     intervals: list = []
     for index, eqn in enumerate(eqns):
-        if eqn.primitive is not _replay.marker_p or eqn.params["tape"] != ordinal:
+        if eqn.primitive is not _marks.marker_p or eqn.params["tape"] != ordinal:
             continue
         kind = eqn.params["kind"]
         if kind in ("enter", "resume"):
@@ -197,7 +199,7 @@ def _live(eqns: list, target_vars: list) -> list:
     live = [False] * len(eqns)
     for index in range(len(eqns) - 1, -1, -1):
         eqn = eqns[index]
-        if eqn.primitive is _replay.marker_p:
+        if eqn.primitive is _marks.marker_p:
             live[index] = True
             continue
         if any(not isinstance(o, jax_core.DropVar) and o in needed for o in eqn.outvars):
@@ -228,7 +230,7 @@ def _evaluate(closed: Any, plan: _Plan, level: "_level.Level", child: "_level.Le
         delta = chosen[0]
         for d in chosen[1:]:
             delta = delta + d
-        return _replay._inject(value, delta)
+        return _marks._inject(value, delta)
 
     def evaluate(deltas: list) -> list:
         env: dict = dict(zip(jaxpr.constvars, closed.consts))
@@ -240,7 +242,7 @@ def _evaluate(closed: Any, plan: _Plan, level: "_level.Level", child: "_level.Le
         for index, eqn in enumerate(jaxpr.eqns):
             if not plan.live[index]:
                 continue
-            if eqn.primitive is _replay.tag_p:
+            if eqn.primitive is _marks.tag_p:
                 key = eqn.params["key"]
                 out = eqn.outvars[0]
                 if key in substitutes:
@@ -248,10 +250,10 @@ def _evaluate(closed: Any, plan: _Plan, level: "_level.Level", child: "_level.Le
                 else:
                     value = read(eqn.invars[0])
                     if index in plan.stopped:
-                        value = _replay._fresh(value)
+                        value = _marks._fresh(value)
                 env[out] = entering(value, plan.tag_sources.get(index, ()), deltas)
                 continue
-            if eqn.primitive is _replay.marker_p:
+            if eqn.primitive is _marks.marker_p:
                 var = eqn.invars[0] if eqn.invars else None
                 if eqn.params["kind"] == "watch" and isinstance(var, jax_core.Var) and var in env:
                     key = eqn.params["key"]
@@ -263,7 +265,7 @@ def _evaluate(closed: Any, plan: _Plan, level: "_level.Level", child: "_level.Le
                 continue
             values = [read(a) for a in eqn.invars]
             for p in plan.stopped.get(index, ()):
-                values[p] = _replay._fresh(values[p])
+                values[p] = _marks._fresh(values[p])
             params = eqn.primitive.get_bind_params(eqn.params)
             with eqn.ctx.manager:
                 outs = eqn.primitive.bind(*values, **params)

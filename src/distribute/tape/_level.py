@@ -24,6 +24,7 @@ from jax.extend import core as jax_core
 
 from distribute import _context
 from distribute._invocation import Invocation
+import distribute.tape._marks as _marks
 
 _LEVEL: contextvars.ContextVar["Level | None"] = contextvars.ContextVar("distribute_tape_level", default=None)
 
@@ -111,9 +112,7 @@ class Level:
 
     def mark(self, kind: str, ordinal: int, key: int = -1, tensor: Any = None) -> None:
         if self.replay:
-            from distribute.tape import _replay
-
-            _replay.marker(self, kind, ordinal, key, tensor)
+            _marks.marker(self, kind, ordinal, key, tensor)
 
     def in_own_trace(self) -> bool:
         with jax_core.take_current_trace() as trace:
@@ -143,9 +142,7 @@ class Level:
         key = self.next_event()
         out = value
         if self.replay:
-            from distribute.tape import _replay
-
-            out = _replay.tag(self, value, key, from_snapshot=id(value) in self.snapshot_ids)
+            out = _marks.tag(self, value, key, from_snapshot=id(value) in self.snapshot_ids)
         self.cache[cache_key] = (value, out)
         self.values[key] = out
         self.tags[key] = (variable, watchers)

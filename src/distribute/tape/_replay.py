@@ -31,73 +31,11 @@ from __future__ import annotations
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 from jax.extend import core as jax_core
-from jax.interpreters import ad, batching, mlir
 
 from distribute._keras import KerasVariable
 from distribute.lifting import LiftingScope
-from distribute.tape import _level
-
-# -- the two marks -------------------------------------------------------------------------
-marker_p = jax_core.Primitive("tape_marker")
-marker_p.multiple_results = True
-marker_p.def_impl(lambda *args, **params: [])
-marker_p.def_abstract_eval(lambda *args, **params: [])
-mlir.register_lowering(marker_p, lambda ctx, *args, **params: [])
-ad.primitive_jvps[marker_p] = lambda primals, tangents, **params: (marker_p.bind(*primals, **params), [])
-batching.primitive_batchers[marker_p] = lambda args, dims, **params: (marker_p.bind(*args, **params), [])
-
-tag_p = jax_core.Primitive("tape_tag")
-tag_p.def_impl(lambda x, **params: x)
-tag_p.def_abstract_eval(lambda x, **params: x)
-mlir.register_lowering(tag_p, lambda ctx, x, **params: [x])
-ad.primitive_jvps[tag_p] = lambda primals, tangents, **params: (tag_p.bind(*primals, **params), tangents[0])
-batching.primitive_batchers[tag_p] = lambda args, dims, **params: (tag_p.bind(*args, **params), dims[0])
-
-
-def marker(level: "_level.Level", kind: str, ordinal: int, key: int, tensor: Any) -> None:
-    """Leaves a mark of a tape event in the replay's trace."""
-    operands = [] if tensor is None else [tensor]
-    with jax_core.set_current_trace(level.trace):
-        marker_p.bind(*operands, kind=kind, tape=ordinal, key=key)
-
-
-def tag(level: "_level.Level", value: Any, key: int, from_snapshot: bool) -> Any:
-    """A watched variable's read in a replay: the value, marked as read event ``key``.
-
-    A value the call began with is marked in the replay's own trace, also when
-    read inside a nested trace (a Keras RNN reads its kernel inside
-    ``lax.scan``), which then closes over it.
-    """
-    if from_snapshot or not isinstance(value, jax.core.Tracer):
-        with jax_core.set_current_trace(level.trace):
-            return tag_p.bind(level.prepare(value), key=key)
-    return tag_p.bind(level.prepare(value), key=key)
-
-
-@jax.custom_jvp
-def _inject(x: Any, delta: Any) -> Any:
-    """``x``, whose tangent also gets ``delta``'s: where a source meets the recorded computation."""
-    return x
-
-
-@_inject.defjvp
-def _inject_jvp(primals, tangents):
-    (x, _), (tx, td) = primals, tangents
-    return x, tx + td
-
-
-@jax.custom_jvp
-def _fresh(x: Any) -> Any:
-    """``x`` without its tangent (an unrecorded equation; a variable read is a fresh value, as TF's)."""
-    return x
-
-
-@_fresh.defjvp
-def _fresh_jvp(primals, tangents):
-    return primals[0], jnp.zeros_like(tangents[0])
-
+import distribute.tape._level as _level
 
 class _Stop(BaseException):
     """Ends a replay at the gradient call it was run for (not an Exception: user code must not catch it)."""
@@ -160,11 +98,16 @@ def replay(level: "_level.Level", stop_at: int, ordinal: int) -> tuple:
             "keep Python state that changes between runs out of the tape's path)."
         )
 
-    compiling = getattr(level.context, "_compiling", None)
-    if compiling is not None:
-        # An uneven step's replica: collectives in the replay are the program's host callbacks.
-        with compiling():
-            closed = jax.make_jaxpr(run)()
-    else:
+    try:
         closed = jax.make_jaxpr(run)()
+    except (jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError) as err:
+        if type(level.root.trace).__name__ != "EvalTrace":
+            raise
+        raise NotImplementedError(
+            f"GradientTape in {getattr(invocation.fn, '__qualname__', invocation.fn)!r}, which runs eagerly (it "
+            "cannot be compiled: a Python branch on an array's value, or a shape that depends on one): a tape "
+            "runs the step again as a JAX trace, where that Python code cannot run. Write the branch with "
+            "jnp.where / lax.cond (what tf.function's autograph makes of it), so that the step compiles; or "
+            "use distribute.compute_gradients here."
+        ) from err
     return closed, child

@@ -12,7 +12,9 @@ import jax.numpy as jnp
 
 from distribute import _invocation
 from distribute._keras import KerasVariable
-from distribute.tape import _differentiate, _level, _replay
+import distribute.tape._differentiate as _differentiate
+import distribute.tape._level as _level
+import distribute.tape._replay as _replay
 
 _LOG = logging.getLogger("distribute")
 

@@ -1,0 +1,165 @@
+"""Record TensorFlow 2.21's answers for distribute.GradientTape's tests (tests/test_gradient_tape.py).
+
+Run from the repository root with a virtualenv that has tensorflow-cpu==2.21.0:
+
+    /work/tfvenv/bin/python tests/parity/record_tf_tape.py
+
+Writes tests/parity/tf_2_21_tape.json.  The programs of ``tape_cases.py`` run
+eagerly with ``tf.GradientTape``; the strategy programs run in
+``tf.distribute.MirroredStrategy`` over 2 logical CPU devices under
+``tf.function``, as TF's tutorials write them.  An exception is recorded as
+{"error": class, "msg": text}.
+"""
+
+import os
+import sys
+
+os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
+os.environ["KERAS_BACKEND"] = "tensorflow"
+
+import json
+import types
+
+import numpy as np
+import tensorflow as tf
+
+_cpu = tf.config.list_physical_devices("CPU")[0]
+tf.config.set_logical_device_configuration(_cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+
+import keras
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from tape_cases import CASES
+
+OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tf_2_21_tape.json")
+RESULTS = {"meta": {"tensorflow_version": tf.__version__, "keras_version": keras.__version__,
+                    "command": "/work/tfvenv/bin/python tests/parity/record_tf_tape.py",
+                    "devices": "2 logical CPU devices"}}
+
+
+def jl(x):
+    if x is None:
+        return None
+    if isinstance(x, dict):
+        return {k: jl(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [jl(v) for v in x]
+    if isinstance(x, tf.distribute.DistributedValues):
+        return [jl(v) for v in x.values]
+    return np.asarray(x).tolist()
+
+
+def record(name, fn):
+    try:
+        RESULTS[name] = jl(fn())
+    except Exception as e:  # noqa: BLE001 - the error is the recorded answer
+        RESULTS[name] = {"error": type(e).__name__, "msg": str(e)[:300]}
+
+
+NS = types.SimpleNamespace(GT=tf.GradientTape, var=lambda x: tf.Variable(x, dtype=tf.float32),
+                           const=lambda x: tf.constant(x, tf.float32), to_int=lambda x: tf.cast(x, tf.int32),
+                           stop_gradient=tf.stop_gradient, square=tf.square)
+for name, make in CASES.items():
+    record(f"case/{name}", lambda: make(NS)())
+
+S = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+W0 = np.array([[0.5], [-0.25]], np.float32)
+X = np.array([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0], [7.0, 8.0]], np.float32)
+Y = np.array([[1.0], [0.0], [2.0], [1.0]], np.float32)
+
+
+def per_replica_gradients():
+    """Each replica's gradient of its own loss; apply_gradients sums them."""
+    with S.scope():
+        w = tf.Variable(W0)
+        opt = keras.optimizers.SGD(0.1)
+    ds = S.experimental_distribute_dataset(tf.data.Dataset.from_tensor_slices((X, Y)).batch(4))
+
+    @tf.function
+    def train_step(inputs):
+        def step_fn(x, y):
+            with tf.GradientTape() as tape:
+                loss = tf.nn.compute_average_loss(tf.square(tf.matmul(x, w) - y)[:, 0], global_batch_size=4)
+            grads = tape.gradient(loss, [w])
+            opt.apply_gradients(zip(grads, [w]))
+            return grads[0], loss
+        return S.run(step_fn, args=inputs)
+
+    grads, losses = train_step(next(iter(ds)))
+    return {"grads": jl(grads), "losses": jl(losses), "w": w.numpy().tolist()}
+
+
+def gan_step():
+    """Two tapes over one block in a replica function (TF's DCGAN tutorial shape)."""
+    with S.scope():
+        gen = tf.Variable([[0.5, -0.5]], name="gen")
+        disc = tf.Variable([[1.0], [0.25]], name="disc")
+        g_opt, d_opt = keras.optimizers.SGD(0.1), keras.optimizers.SGD(0.2)
+    noise = np.array([[1.0], [2.0], [3.0], [4.0]], np.float32)
+    real = X
+    ds = S.experimental_distribute_dataset(tf.data.Dataset.from_tensor_slices((noise, real)).batch(4))
+
+    @tf.function
+    def train_step(inputs):
+        def step_fn(z, r):
+            with tf.GradientTape() as gen_tape, tf.GradientTape() as disc_tape:
+                fake = tf.matmul(z, gen)
+                fake_out, real_out = tf.matmul(fake, disc), tf.matmul(r, disc)
+                g_loss = tf.nn.compute_average_loss(tf.square(fake_out - 1.0)[:, 0], global_batch_size=4)
+                d_loss = tf.nn.compute_average_loss((tf.square(real_out - 1.0) + tf.square(fake_out))[:, 0], global_batch_size=4)
+            g_grads = gen_tape.gradient(g_loss, [gen])
+            d_grads = disc_tape.gradient(d_loss, [disc])
+            g_opt.apply_gradients(zip(g_grads, [gen]))
+            d_opt.apply_gradients(zip(d_grads, [disc]))
+            return g_loss, d_loss
+        return S.run(step_fn, args=inputs)
+
+    losses = [jl(train_step(b)) for b in ds for _ in range(2)]
+    return {"losses": losses, "gen": gen.numpy().tolist(), "disc": disc.numpy().tolist()}
+
+
+def watch_input_per_replica():
+    """tape.watch of the replica's input (an adversarial example's gradient), per replica."""
+    with S.scope():
+        w = tf.Variable(W0)
+    ds = S.experimental_distribute_dataset(tf.data.Dataset.from_tensor_slices((X, Y)).batch(4))
+
+    @tf.function
+    def step(inputs):
+        def step_fn(x, y):
+            with tf.GradientTape() as tape:
+                tape.watch(x)
+                loss = tf.reduce_sum(tf.square(tf.matmul(x, w) - y))
+            return tape.gradient(loss, x)
+        return S.run(step_fn, args=inputs)
+
+    return jl(step(next(iter(ds))))
+
+
+def all_reduce_in_block():
+    """The gradient of an all-reduced loss, in a full and an uneven step."""
+    with S.scope():
+        w = tf.Variable([2.0])
+
+    @tf.function
+    def step(x):
+        def step_fn(x):
+            ctx = tf.distribute.get_replica_context()
+            with tf.GradientTape() as tape:
+                total = ctx.all_reduce("SUM", tf.reduce_sum(x * w))
+            return tape.gradient(total, w)
+        return S.run(step_fn, args=(x,))
+
+    ds = tf.data.Dataset.from_tensor_slices(np.array([1.0, 2.0, 3.0], np.float32)).batch(2)
+    return [jl(step(x)) for x in S.experimental_distribute_dataset(ds)]
+
+
+record("mirrored/all_reduce_in_block", all_reduce_in_block)
+record("mirrored/per_replica_gradients", per_replica_gradients)
+record("mirrored/gan_step", gan_step)
+record("mirrored/watch_input_per_replica", watch_input_per_replica)
+
+if __name__ == "__main__":
+    with open(OUT, "w") as f:
+        json.dump(RESULTS, f, indent=1, sort_keys=True)
+    print(f"wrote {OUT}: {len(RESULTS) - 1} cases")
