@@ -2,9 +2,9 @@
 
 Source: tensorflow/docs site/en/tutorials/distribute/custom_training.ipynb.
 Substitutions: tf.distribute -> distribute, tf.data -> distribute.data, tf.keras -> keras,
-tf.GradientTape + tape.gradient -> distribute.compute_gradients, tf.nn.compute_average_loss ->
+tf.GradientTape -> distribute.GradientTape, tf.nn.compute_average_loss ->
 distribute.compute_average_loss, tf.add_n -> sum, tf.train.Checkpoint -> distribute.Checkpoint,
-@tf.function dropped. Fashion-MNIST is replaced by small synthetic data of the same shape
+@tf.function -> @distribute.function. Fashion-MNIST is replaced by small synthetic data of the same shape
 (28x28x1 float32 in [0, 1], labels 0..9), 300 train / 100 test images, so every epoch ends with
 an uneven last batch (300 = 4 x 64 + 44, split 22 | 22 on 2 replicas; a split of unequal rows per replica
 compiles ~10x slower, so it is left to the smaller tests in test_port_tf_tests.py). The shuffle gets a seed so two runs can be compared.
@@ -112,12 +112,11 @@ def run_tutorial(strategy, checkpoint_dir, shuffle=True, extras=True):
     def train_step(inputs):
         images, labels = inputs
 
-        def loss_fn():  # was: with tf.GradientTape() as tape:
+        with distribute.GradientTape() as tape:
             predictions = model(images, training=True)
             loss = compute_loss(labels, predictions, model.losses)
-            return loss, predictions
 
-        (loss, predictions), gradients = distribute.compute_gradients(loss_fn, model.trainable_variables, has_aux=True)
+        gradients = tape.gradient(loss, model.trainable_variables)
         optimizer.apply_gradients(zip(gradients, model.trainable_variables))
         train_accuracy.update_state(labels, predictions)
         return loss
@@ -129,10 +128,12 @@ def run_tutorial(strategy, checkpoint_dir, shuffle=True, extras=True):
         test_loss.update_state(t_loss)
         test_accuracy.update_state(labels, predictions)
 
+    @distribute.function
     def distributed_train_step(dataset_inputs):
         per_replica_losses = strategy.run(train_step, args=(dataset_inputs,))
         return strategy.reduce(distribute.ReduceOp.SUM, per_replica_losses, axis=None)
 
+    @distribute.function
     def distributed_test_step(dataset_inputs):
         return strategy.run(test_step, args=(dataset_inputs,))
 
@@ -170,6 +171,7 @@ def run_tutorial(strategy, checkpoint_dir, shuffle=True, extras=True):
     new_optimizer = keras.optimizers.Adam()
     test_dataset = distribute.data.Dataset.from_tensor_slices((test_images, test_labels)).batch(GLOBAL_BATCH_SIZE)
 
+    @distribute.function
     def eval_step(images, labels):
         predictions = new_model(images, training=False)
         eval_accuracy(labels, predictions)
@@ -192,7 +194,8 @@ def run_tutorial(strategy, checkpoint_dir, shuffle=True, extras=True):
         iter_losses.append((float(total_loss / num_batches), float(train_accuracy.result())))
         train_accuracy.reset_state()
 
-    # -- iterating inside a function (was @tf.function distributed_train_epoch)
+    # -- iterating inside a function
+    @distribute.function
     def distributed_train_epoch(dataset):
         total_loss = 0.0
         num_batches = 0

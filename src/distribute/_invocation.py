@@ -60,7 +60,7 @@ def call(fn: Callable, args: tuple = (), kwargs: dict | None = None) -> Any:
         pass
     invocation = Invocation(fn, tuple(args), kwargs, scope, snapshot, trace)
     token = _CURRENT.set(invocation)
-    hook_token = _READ_HOOK.set(None)
+    hook_token = _READ_HOOK.set(_READ_HOOK.get())  # an enclosing call's recording tape sees these reads too
     try:
         return fn(*args, **kwargs)
     finally:

@@ -55,7 +55,7 @@ __all__ = [
     "BaseOptimizer", "BatchNormalization", "DataAdapter", "JAXTrainer", "JaxVariable", "KerasVariable", "Layer",
     "Metric", "PATCHED", "SeedGenerator", "StatelessScope", "Trainer", "copy_thread_state", "data_adapter_utils",
     "data_adapters", "get_stateless_scope", "global_state", "initialize_all_variables", "install_per_thread_attributes",
-    "keras_backend", "patch", "rng_utils", "tree",
+    "keras_backend", "patch", "placeholder_value", "rng_utils", "tree",
 ]
 
 # (owner, attribute) of every patch this package makes, filled by ``patch``.
@@ -143,3 +143,9 @@ def install_per_thread_attributes() -> None:
         if not isinstance(Layer.__dict__.get(name), _PerThread):
             setattr(Layer, name, _PerThread(name, make_default))
             PATCHED.append((Layer, name))
+
+
+def placeholder_value(variable: Any) -> Any:
+    """What Keras reads for a variable created while a program is traced (its value is deferred):
+    its initializer's output (``Variable.value``'s own fallback)."""
+    return variable._initializer(variable._shape, dtype=variable._dtype)

@@ -143,8 +143,8 @@ class StrategyExtended:
 
         ``outputs``: arrays the program produces that no later program donates.
         """
-        if self._in_flight is None:
-            return
+        if self._in_flight is None or any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves(outputs)):
+            return  # (traced: a merge_call's reduce inside a step's program dispatches nothing)
         self._in_flight.append(outputs)
         if len(self._in_flight) > _MAX_STEPS_IN_FLIGHT:
             oldest = [a for a in jax.tree_util.tree_leaves(self._in_flight.popleft()) if isinstance(a, jax.Array) and not a.is_deleted()]

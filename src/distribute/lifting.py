@@ -16,6 +16,7 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from distribute import _invocation, sync_on_read
 from distribute._keras import KerasVariable, StatelessScope
@@ -81,7 +82,7 @@ class LiftingScope(StatelessScope):
         if value is None:
             self.missing[id(variable)] = variable
             if self.placeholders and variable._value is not None:
-                value = jnp.zeros(variable.shape, variable.dtype)
+                value = np.zeros(variable.shape, variable.dtype)  # a constant: also inside a nested trace (lax.scan)
         if value is not None and self.observe_reads:
             value = _invocation.on_read(self, variable, value)
         return value

@@ -11,7 +11,7 @@ function a ``distribute.GradientTape`` inside runs again (``_invocation.py``):
 * called inside a replica function (``strategy.run``'s, a scheduled one, or
   another ``distribute.function``), it is part of that program;
 * a cross-replica step (it calls a strategy's ``run`` / ``reduce``, or takes
-  distributed values or iterators) runs as Python: each ``strategy.run`` inside
+  distributed values, iterators or datasets) runs as Python: each ``strategy.run`` inside
   is one compiled program, reused for every call (also when the replica
   function is defined inside the step, as TF's multi_worker_with_ctl does), its
   small outputs already summed for the ``reduce`` that follows.
@@ -23,6 +23,7 @@ import functools
 from typing import Any, Callable, Sequence
 
 import jax
+import numpy as np
 
 from distribute import _context, _invocation
 from distribute.values import DistributedValues
@@ -104,8 +105,15 @@ class Function:
 
 
 def _has_distributed(args: tuple, kwargs: dict) -> bool:
+    """Distributed values, iterators or datasets among the arguments: a step of the Python loop kind.
+
+    A compiled program cannot take one element of an iterator per call (TF's graph can):
+    a function taking an iterator or a dataset runs as Python, its ``strategy.run`` calls compiled.
+    """
     for leaf in jax.tree_util.tree_leaves((args, kwargs), is_leaf=lambda x: isinstance(x, DistributedValues)):
-        if isinstance(leaf, DistributedValues) or type(leaf).__name__ in ("DistributedIterator", "DistributedDataset"):
+        if isinstance(leaf, DistributedValues) or hasattr(leaf, "__next__"):
+            return True
+        if hasattr(leaf, "__iter__") and not isinstance(leaf, (jax.Array, np.ndarray, str, bytes)):
             return True
     return False
 

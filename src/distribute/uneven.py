@@ -320,6 +320,11 @@ class ThreadedReplicaContext(ReplicaContext):
             return total
         return jax.tree_util.tree_map(lambda t: t / self.num_replicas_in_sync, total)
 
+    def merge_call(self, merge_fn: Callable, args: Any = (), kwargs: Any = None) -> Any:
+        from distribute import merge_call
+
+        return merge_call.threaded(self, merge_fn, args, kwargs, collectives.per_replica_from_local, NeedsEager)
+
     def all_gather(self, value: Any, axis: int, options: Any = None) -> Any:
         for leaf in jax.tree_util.tree_leaves(value):
             if jnp.ndim(leaf) == 0:

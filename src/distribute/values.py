@@ -128,6 +128,11 @@ class PerReplica(DistributedValues):
         return self
 
     def _local_values(self) -> tuple:
+        if isinstance(self._array, jax.core.Tracer):
+            # Inside a compiled step's merge_call: every replica's value, gathered (merge_call.py).
+            ext = self._strategy.extended
+            first = ext.replica_mesh.devices.index(ext.replica_mesh.local_devices[0])
+            return tuple(self._array[first + i] for i in range(len(ext.replica_mesh.local_devices)))
         if self._cached_local is None:
             ext = self._strategy.extended
             shards = sorted(self._array.addressable_shards, key=lambda s: s.index[0].start or 0)

@@ -154,6 +154,57 @@ def all_reduce_in_block():
     return [jl(step(x)) for x in S.experimental_distribute_dataset(ds)]
 
 
+def merge_calls():
+    """ReplicaContext.merge_call's answers, eager and under tf.function, in a full and an uneven step."""
+    def replica_value():
+        ctx = tf.distribute.get_replica_context()
+        return ctx, tf.cast(ctx.replica_id_in_sync_group + 1, tf.float32)
+
+    def reduce_sum():
+        ctx, v = replica_value()
+        return ctx.merge_call(lambda s, value: s.reduce("SUM", value, axis=None), args=(v,))
+
+    def local_results():
+        ctx, v = replica_value()
+        out = ctx.merge_call(lambda s, value: s.experimental_local_results(value), args=(v,))
+        return out[0] * 10 + out[1], len(out)
+
+    def identity():
+        ctx, v = replica_value()
+        return ctx.merge_call(lambda s, value: value, args=(v,))
+
+    def keyword():
+        ctx, v = replica_value()
+        return ctx.merge_call(lambda s, a, b=None: s.reduce("MEAN", a, axis=None) + b, args=(v,), kwargs={"b": 10.0})
+
+    def pair():
+        ctx, v = replica_value()
+        return ctx.merge_call(lambda s, value: (s.reduce("SUM", value, axis=None), value), args=(v,))
+
+    def context():
+        ctx = tf.distribute.get_replica_context()
+        return ctx.merge_call(lambda s: (tf.distribute.in_cross_replica_context(),
+                                         tf.distribute.get_replica_context() is None, s is S))
+
+    out = {}
+    for name, fn in [("reduce_sum", reduce_sum), ("local_results", local_results), ("identity", identity),
+                     ("keyword", keyword), ("pair", pair)]:
+        out[name] = jl(S.run(fn))
+        out[name + "_tf_function"] = jl(tf.function(lambda: S.run(fn))())
+    out["context"] = list(S.run(context))
+    out["default_strategy"] = float(tf.distribute.get_replica_context().merge_call(
+        lambda s, x: s.reduce("SUM", x, axis=None) * 2, args=(tf.constant(3.0),)))
+
+    def uneven(x):
+        ctx = tf.distribute.get_replica_context()
+        return ctx.merge_call(lambda s, value: s.reduce("SUM", value, axis=0), args=(x,))
+
+    ds = tf.data.Dataset.from_tensor_slices(np.array([1.0, 2.0, 3.0], np.float32)).batch(3)
+    out["uneven_reduce_axis0"] = [jl(S.run(uneven, args=(x,))) for x in S.experimental_distribute_dataset(ds)]
+    return out
+
+
+record("merge_call", merge_calls)
 record("mirrored/all_reduce_in_block", all_reduce_in_block)
 record("mirrored/per_replica_gradients", per_replica_gradients)
 record("mirrored/gan_step", gan_step)

@@ -33,7 +33,7 @@ from typing import Any
 import jax
 from jax.extend import core as jax_core
 
-from distribute._keras import KerasVariable
+from distribute._keras import KerasVariable, placeholder_value
 from distribute.lifting import LiftingScope
 import distribute.tape._level as _level
 
@@ -59,6 +59,11 @@ class ReplayScope(LiftingScope):
         if self.origin is None and id(variable) not in self.state_mapping and variable._value is not None:
             self.state_mapping[id(variable)] = variable._value  # no lifting scope: the stored value
         value = super().get_current_value(variable)
+        if value is None and variable._value is None and getattr(variable, "_initializer", None) is not None:
+            # Created while the step was first traced (a model built by its first call, inside the
+            # tape's block): one placeholder per replay, read (and watched) as any value.
+            self.state_mapping[id(variable)] = placeholder_value(variable)
+            value = super().get_current_value(variable)
         if self.missing and isinstance(self.origin, LiftingScope):
             self.origin.missing.update(self.missing)  # the engine's discovery learns of it too
         return value
