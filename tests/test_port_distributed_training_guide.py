@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import pathlib
 
+import jax
 import keras
 import numpy as np
 import pytest
@@ -56,9 +57,9 @@ def test_gpu_device_names_on_a_cpu_machine_are_a_clear_error():
         distribute.OneDeviceStrategy(device="/gpu:0")
 
 
-def test_central_storage_strategy_is_not_there():
-    with pytest.raises(AttributeError, match="CentralStorageStrategy"):
-        distribute.experimental.CentralStorageStrategy()
+def test_central_storage_strategy_cell():
+    central_storage_strategy = distribute.experimental.CentralStorageStrategy()
+    assert central_storage_strategy.num_replicas_in_sync == len(jax.local_devices())
 
 
 def test_keras_cells_give_tf_values():

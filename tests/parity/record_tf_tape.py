@@ -6,7 +6,7 @@ Run from the repository root with a virtualenv that has tensorflow-cpu==2.21.0:
 
 Writes tests/parity/tf_2_21_tape.json.  The programs of ``tape_cases.py`` run
 eagerly with ``tf.GradientTape``; the strategy programs run in
-``tf.distribute.MirroredStrategy`` over 2 logical CPU devices under
+``tf.distribute.MirroredStrategy`` over 2 of 3 logical CPU devices under
 ``tf.function``, as TF's tutorials write them.  An exception is recorded as
 {"error": class, "msg": text}.
 """
@@ -24,7 +24,7 @@ import numpy as np
 import tensorflow as tf
 
 _cpu = tf.config.list_physical_devices("CPU")[0]
-tf.config.set_logical_device_configuration(_cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+tf.config.set_logical_device_configuration(_cpu, [tf.config.LogicalDeviceConfiguration()] * 3)
 
 import keras
 
@@ -34,7 +34,7 @@ from tape_cases import CASES
 OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tf_2_21_tape.json")
 RESULTS = {"meta": {"tensorflow_version": tf.__version__, "keras_version": keras.__version__,
                     "command": "/work/tfvenv/bin/python tests/parity/record_tf_tape.py",
-                    "devices": "2 logical CPU devices"}}
+                    "devices": "3 logical CPU devices (MirroredStrategy on the first 2)"}}
 
 
 def jl(x):
@@ -204,6 +204,56 @@ def merge_calls():
     return out
 
 
+def central_storage():
+    """CentralStorageStrategy over 2 compute devices (logical CPUs 1 and 2) with the variables on CPU 0."""
+    cs = tf.distribute.experimental.CentralStorageStrategy(compute_devices=["/cpu:1", "/cpu:2"], parameter_device="/cpu:0")
+    out = {"num_replicas_in_sync": cs.num_replicas_in_sync, "parameter_devices": list(cs.extended.parameter_devices)}
+    with cs.scope():
+        v = tf.Variable(1.0)
+        vs = tf.Variable(1.0, aggregation=tf.VariableAggregation.SUM)
+        vm = tf.Variable(1.0, aggregation=tf.VariableAggregation.MEAN)
+    out["variable_device"] = v.device
+
+    def fn():
+        ctx = tf.distribute.get_replica_context()
+        r = tf.cast(ctx.replica_id_in_sync_group + 1, tf.float32)
+        vs.assign_add(r)
+        vm.assign(r * 10)
+        return r
+
+    steps = []
+    for _ in range(2):
+        cs.run(fn)
+        steps.append([float(vs.numpy()), float(vm.numpy())])
+    out["aggregated_variables"] = steps
+    x = np.arange(16, dtype=np.float32).reshape(8, 2) / 10
+    y = np.arange(8, dtype=np.float32).reshape(8, 1) / 10
+    with cs.scope():
+        m = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+        m.set_weights([np.array([[0.5], [-0.25]], np.float32), np.array([0.1], np.float32)])
+        m.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    history = m.fit(x, y, batch_size=4, epochs=2, verbose=0, shuffle=False).history
+    out["fit"] = {"loss": history["loss"], "weights": jl(m.get_weights()), "evaluate": m.evaluate(x, y, verbose=0)}
+    with cs.scope():
+        w = tf.Variable(W0)
+        opt = keras.optimizers.SGD(0.1)
+    ds = cs.experimental_distribute_dataset(tf.data.Dataset.from_tensor_slices((X, Y)).batch(2))
+
+    @tf.function
+    def train_step(inputs):
+        def step_fn(x, y):
+            with tf.GradientTape() as tape:
+                loss = tf.nn.compute_average_loss(tf.square(tf.matmul(x, w) - y)[:, 0], global_batch_size=2)
+            grads = tape.gradient(loss, [w])
+            opt.apply_gradients(zip(grads, [w]))
+            return loss
+        return cs.reduce("SUM", cs.run(step_fn, args=inputs), axis=None)
+
+    out["custom_loop"] = {"losses": [float(train_step(b)) for b in ds], "w": w.numpy().tolist()}
+    return out
+
+
+record("central_storage", central_storage)
 record("merge_call", merge_calls)
 record("mirrored/all_reduce_in_block", all_reduce_in_block)
 record("mirrored/per_replica_gradients", per_replica_gradients)
