@@ -127,14 +127,23 @@ class StrategyExtended:
         return out
 
     def update(self, var: Any, fn: Callable, args: Sequence = (), kwargs: dict | None = None, group: bool = True) -> Any:
-        """Runs ``fn(var, *args, **kwargs)`` to update a mirrored variable in cross-replica context.
+        """Runs ``fn(copy, *args, **kwargs)`` on each copy of ``var`` with that replica's arguments (TF: update).
 
-        Every replica holds the same (replicated) array, so one call updates all
-        copies.  Raises RuntimeError inside ``run`` (TF requires cross-replica
-        context here).
+        PerReplica arguments give each copy its component, Mirrored ones their
+        copy (``per_copy.py``): a SUM SyncOnRead variable updated with
+        ``assign(5.0)`` on 2 replicas holds 5.0 per copy and reads 10.0, as TF.
+        Returns a Mirrored value of ``fn``'s results (PerReplica when they
+        differ; a tuple with ``group=False``).
+
+        Raises:
+            RuntimeError: inside ``run`` outside a ``merge_call`` (TF requires
+                cross-replica context here).
+            ValueError: a MirroredVariable's copies would get different values.
         """
         _require_cross_replica("extended.update", "update the variable from the replica function with var.assign(...)")
-        return fn(var, *args, **(kwargs or {}))
+        from distribute import per_copy
+
+        return per_copy.update(self._container_strategy, var, fn, tuple(args), dict(kwargs or {}), group)
 
     # -- internal ---------------------------------------------------------------------
     def record_dispatch(self, outputs: Any) -> None:

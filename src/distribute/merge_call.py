@@ -63,8 +63,11 @@ def _in_program(strategy: Any, merge_fn: Callable, args: tuple, kwargs: dict) ->
 def _traced_per_replica(strategy: Any, leaf: Any) -> Any:
     if isinstance(leaf, (DistributedValues, KerasVariable)) or not _is_array(leaf):
         return leaf
-    stacked = lax.all_gather(jnp.asarray(leaf), AXIS)  # (replicas, ...): every replica's value
-    return PerReplica._from_array(strategy, stacked)
+    x = jnp.asarray(leaf)
+    # (replicas, ...): every replica's value, typed as the same on every replica (a psum of one-hot
+    # placements; lax.all_gather's result would be typed per-replica)
+    slots = jnp.zeros((lax.axis_size(AXIS), *x.shape), x.dtype).at[lax.axis_index(AXIS)].set(x)
+    return PerReplica._from_array(strategy, lax.psum(slots, AXIS))
 
 
 def _is_array(x: Any) -> bool:

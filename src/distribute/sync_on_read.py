@@ -59,7 +59,14 @@ def on_created(var: Any) -> None:
 
     Raises:
         NotImplementedError: ``aggregation="none"``.
+        ValueError: ``synchronization="none"`` in a strategy's scope (TF's message).
     """
+    if getattr(var, "synchronization", None) == "none" and getattr(var, "_distribute_strategy", None) is not None:
+        raise ValueError(
+            "`NONE` variable synchronization mode is not supported with tf.distribute strategy. Please change "
+            f"the `synchronization` for variable: {var.name} (distribute: create it with synchronization="
+            "'auto', 'on_write' or 'on_read', or outside the strategy's scope)."
+        )
     if not tracked(var) or var._value is None:
         return
     if var.aggregation == "none":

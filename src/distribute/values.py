@@ -161,7 +161,10 @@ class Mirrored(DistributedValues):
         self._strategy = strategy or _context.current_strategy()
         if isinstance(value, DistributedValues):
             raise TypeError(f"Mirrored expects a plain array, got {type(value).__name__}")
-        self._array = self._strategy.extended.replica_mesh.put_replicated(value)
+        if isinstance(value, jax.core.Tracer):
+            self._array = value  # inside a step's program (a merge_call's merge_fn): this replica's value
+        else:
+            self._array = self._strategy.extended.replica_mesh.put_replicated(value)
 
     def _local_values(self) -> tuple:
         return self._strategy.extended.replica_mesh.local_copies(self._array)

@@ -253,6 +253,133 @@ def central_storage():
     return out
 
 
+def parity_gaps():
+    """Issue 18's part 4: extended.update per copy, variable validation, InputOptions, fit's sample_weight,
+    Checkpoint.restore(None), the minimize-loss test of tensorflow/python/distribute/strategy_test_lib.py."""
+    out = {}
+
+    def local(x):
+        return [np.asarray(v).tolist() for v in S.experimental_local_results(x)]
+
+    def per_replica_values():
+        return S.experimental_distribute_values_from_function(lambda ctx: tf.constant(float(ctx.replica_id_in_sync_group + 1)))
+
+    def guarded(fn):
+        try:
+            return fn()
+        except Exception as e:  # noqa: BLE001 - the error is the recorded answer
+            return {"error": type(e).__name__, "msg": str(e)[:300]}
+
+    def sum_on_read_assign():
+        with S.scope():
+            v = tf.Variable(1.0, synchronization=tf.VariableSynchronization.ON_READ, aggregation=tf.VariableAggregation.SUM)
+        S.extended.update(v, lambda var, x: var.assign(x), args=(5.0,))
+        return [float(v.numpy()), local(v)]
+
+    def mean_on_read_assign():
+        with S.scope():
+            v = tf.Variable(1.0, synchronization=tf.VariableSynchronization.ON_READ, aggregation=tf.VariableAggregation.MEAN)
+        S.extended.update(v, lambda var, x: var.assign(x), args=(5.0,))
+        return [float(v.numpy()), local(v)]
+
+    def on_read_per_replica():
+        with S.scope():
+            v = tf.Variable(1.0, synchronization=tf.VariableSynchronization.ON_READ, aggregation=tf.VariableAggregation.SUM)
+        S.extended.update(v, lambda var, x: var.assign_add(x), args=(per_replica_values(),))
+        return [float(v.numpy()), local(v)]
+
+    def mirrored_plain():
+        with S.scope():
+            v = tf.Variable(1.0)
+        result = S.extended.update(v, lambda var, x: var.assign_add(x), args=(2.0,))
+        return [float(v.numpy()), local(v), type(result).__name__, local(result)]
+
+    def mirrored_per_replica():
+        with S.scope():
+            v = tf.Variable(1.0)
+        S.extended.update(v, lambda var, x: var.assign_add(x), args=(per_replica_values(),))
+        return [float(v.numpy()), local(v)]
+
+    def merge_fn_update():
+        with S.scope():
+            v = tf.Variable(1.0)
+
+        def fn():
+            ctx = tf.distribute.get_replica_context()
+            g = tf.cast(ctx.replica_id_in_sync_group + 1, tf.float32)
+
+            def merge_fn(strategy, grad):
+                total = strategy.extended.reduce_to("SUM", grad, destinations=v)
+                return strategy.extended.update(v, lambda var, t: var.assign_sub(0.5 * t), args=(total,))
+            ctx.merge_call(merge_fn, args=(g,))
+            return v.read_value()
+        return [local(S.run(fn)), float(v.numpy())]
+
+    def minimize_loss():
+        with S.scope():
+            kernel = tf.Variable([[0.5]], name="kernel")
+
+        def loss(x):
+            y = tf.reshape(tf.matmul(x, kernel), []) - tf.identity(1.0)
+            return y * y
+
+        def grad_fn(x):
+            with tf.GradientTape() as tape:
+                value = loss(x)
+            return tape.gradient(value, kernel)
+
+        one = tf.identity([[1.0]])
+        history = []
+        for _ in range(10):
+            g = S.run(grad_fn, args=(one,))
+            before = float(kernel.numpy()[0, 0])
+            g = S.extended.reduce_to(tf.distribute.ReduceOp.SUM, g, destinations=kernel)
+            S.extended.update(kernel, lambda v, g: v.assign_sub(0.2 * g), args=(g,), group=False)
+            history.append([before, float(kernel.numpy()[0, 0])])
+        return history
+
+    def sync_none():
+        with S.scope():
+            keras.Variable(1.0, synchronization="none")
+
+    def fit_sample_weight(strategy):
+        with strategy.scope():
+            m = keras.Sequential([keras.Input((1,)), keras.layers.Dense(1)])
+            m.compile("sgd", "mse")
+        m.fit(tf.data.Dataset.from_tensor_slices((np.ones((4, 1)), np.ones((4, 1)))).batch(2), sample_weight=np.ones(4), verbose=0)
+
+    def options(**kwargs):
+        S.distribute_datasets_from_function(lambda ctx: tf.data.Dataset.range(4).batch(2), tf.distribute.InputOptions(**kwargs))
+        return "accepted"
+
+    def restore_none():
+        status = tf.train.Checkpoint(v=tf.Variable(1.0)).restore(None)
+        result = [type(status).__name__]
+        for name in ("assert_consumed", "assert_existing_objects_matched", "assert_nontrivial_match", "expect_partial"):
+            result.append([name, guarded(lambda: getattr(status, name)() and "ok")])
+        return result
+
+    out["update/sum_on_read_assign"] = guarded(sum_on_read_assign)
+    out["update/mean_on_read_assign"] = guarded(mean_on_read_assign)
+    out["update/on_read_per_replica"] = guarded(on_read_per_replica)
+    out["update/mirrored_plain"] = guarded(mirrored_plain)
+    out["update/mirrored_per_replica"] = guarded(mirrored_per_replica)
+    out["update/in_merge_fn"] = guarded(merge_fn_update)
+    out["minimize_loss"] = guarded(minimize_loss)
+    out["synchronization_none"] = guarded(sync_none)
+    out["fit_sample_weight/no_strategy"] = guarded(lambda: fit_sample_weight(tf.distribute.get_strategy()))
+    out["fit_sample_weight/mirrored"] = guarded(lambda: fit_sample_weight(S))
+    out["options/place_per_worker"] = guarded(lambda: options(experimental_place_dataset_on_device=True))
+    out["options/place_per_replica_fetch"] = guarded(lambda: options(
+        experimental_place_dataset_on_device=True, experimental_replication_mode=tf.distribute.InputReplicationMode.PER_REPLICA))
+    out["options/place_per_replica_no_fetch"] = guarded(lambda: options(
+        experimental_place_dataset_on_device=True, experimental_fetch_to_device=False,
+        experimental_replication_mode=tf.distribute.InputReplicationMode.PER_REPLICA))
+    out["restore_none"] = guarded(restore_none)
+    return out
+
+
+record("parity_gaps", parity_gaps)
 record("central_storage", central_storage)
 record("merge_call", merge_calls)
 record("mirrored/all_reduce_in_block", all_reduce_in_block)

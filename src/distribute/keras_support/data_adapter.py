@@ -32,12 +32,23 @@ def install() -> None:
     def get_data_adapter(x: Any, *args: Any, **kwargs: Any) -> Any:
         from distribute.data import Dataset
 
-        if isinstance(x, Dataset):
-            return DatasetAdapter(x)
+        if isinstance(x, (Dataset, DatasetAdapter)):
+            _refuse_separate_arrays(args, kwargs)
+            return x if isinstance(x, DatasetAdapter) else DatasetAdapter(x)
         return original(x, *args, **kwargs)
 
     data_adapters.get_data_adapter = get_data_adapter
     _INSTALLED.append(True)
+
+
+def _refuse_separate_arrays(args: tuple, kwargs: dict) -> None:
+    """TF's (and Keras') ValueError for ``y`` or ``sample_weight`` given beside a dataset ``x``."""
+    y = kwargs.get("y", args[0] if args else None)
+    sample_weight = kwargs.get("sample_weight", args[1] if len(args) > 1 else None)
+    if y is not None:
+        data_adapters.raise_unsupported_arg("y", "the targets", "distribute.data.Dataset")
+    if sample_weight is not None:
+        data_adapters.raise_unsupported_arg("sample_weights", "the sample weights", "distribute.data.Dataset")
 
 
 class DatasetAdapter(DataAdapter):
