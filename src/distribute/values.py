@@ -76,6 +76,20 @@ class DistributedValues:
         body = ",\n".join(f"  {i}: {v!r}" for i, v in enumerate(self.values))
         return f"{type(self).__name__}:{{\n{body}\n}}"
 
+    @property
+    def __jax_array__(self):
+        """Refuses, naming the fix, when a JAX transformation (``jax.jit``) or ``jnp.asarray`` gets this value.
+
+        A ValueError: JAX replaces a TypeError raised here by its own generic message.
+        """
+        raise ValueError(
+            f"A {type(self).__name__} value (one value per replica) was passed to a JAX transformation "
+            "(jax.jit, vmap, grad) or converted to an array. Decorate a step that takes distributed values "
+            "with distribute.function (TF: tf.function) instead of jax.jit: strategy.run inside compiles the "
+            "replica function itself. For the components, use strategy.experimental_local_results(value); "
+            "for one array, strategy.reduce(...) or strategy.gather(...)."
+        )
+
 
 class PerReplica(DistributedValues):
     """One possibly different value per replica (tf.distribute's PerReplica).
