@@ -293,3 +293,48 @@ def test_a_function_that_takes_another_path_when_replayed_is_a_clear_error():
 
     with pytest.raises(RuntimeError, match="another path"):
         step()
+
+
+def test_readme_using_it_loop_as_written():
+    """README "Using it": the TF loop with distribute.GradientTape and @distribute.function, 2 replicas,
+    an uneven last batch; it learns, and it ends at the weights of the same loop on one device."""
+    rng = np.random.default_rng(0)
+    images = rng.normal(size=(300, 64)).astype(np.float32)
+    labels = images[:, :10].argmax(axis=1).astype(np.int32)
+
+    def readme(strategy, per_replica=64):
+        from distribute.data import Dataset
+
+        keras.utils.set_random_seed(3)
+        with strategy.scope():
+            model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(128, activation="relu"),
+                                      keras.layers.Dense(10)])
+            optimizer = keras.optimizers.Adam()
+            loss_object = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none")
+            accuracy = keras.metrics.SparseCategoricalAccuracy()
+
+        def train_step(x, y):
+            with distribute.GradientTape() as tape:
+                logits = model(x, training=True)
+                loss = distribute.compute_average_loss(loss_object(y, logits))
+            grads = tape.gradient(loss, model.trainable_variables)
+            optimizer.apply_gradients(zip(grads, model.trainable_variables))  # sums over replicas
+            accuracy.update_state(y, logits)
+            return loss
+
+        @distribute.function
+        def distributed_train_step(x, y):
+            return strategy.reduce("SUM", strategy.run(train_step, args=(x, y)), axis=None)
+
+        dataset = Dataset.from_tensor_slices((images, labels)).batch(per_replica * strategy.num_replicas_in_sync)
+        losses = [float(distributed_train_step(x, y)) for _ in range(3)
+                  for x, y in strategy.experimental_distribute_dataset(dataset)]
+        return losses, [v.numpy() for v in model.weights], float(accuracy.result())
+
+    losses, weights, acc = readme(mirrored(2))
+    one_losses, one_weights, one_acc = readme(distribute.OneDeviceStrategy("/cpu:0"), per_replica=128)
+    assert losses[-1] < losses[0]
+    np.testing.assert_allclose(losses, one_losses, rtol=2e-4, atol=2e-5)
+    for a, b in zip(weights, one_weights):
+        np.testing.assert_allclose(a, b, rtol=1e-3, atol=2e-5)
+    assert acc == pytest.approx(one_acc, abs=1e-6)

@@ -643,11 +643,10 @@ def test_readme_parameter_server_loop_as_written(strategy, coordinator):
     def step(iterator):  # traced once on the coordinator, run by the workers
         x, y = next(iterator)
 
-        def loss_fn():
+        with distribute.GradientTape() as tape:
             logits = model(x, training=True)
-            return loss_object(y, logits), logits
-
-        (loss, logits), grads = distribute.compute_gradients(loss_fn, model.trainable_variables, has_aux=True)
+            loss = loss_object(y, logits)
+        grads = tape.gradient(loss, model.trainable_variables)
         optimizer.apply_gradients(zip(grads, model.trainable_variables))
         accuracy.update_state(y, logits)
         return loss
