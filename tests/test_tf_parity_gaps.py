@@ -170,3 +170,56 @@ def test_checkpoint_restore_none_as_tf(tmp_path):
     manager = distribute.CheckpointManager(distribute.Checkpoint(v=v), str(tmp_path), max_to_keep=1)
     distribute.Checkpoint(v=v).restore(manager.latest_checkpoint).expect_partial()
     assert manager.restore_or_initialize() is None
+
+
+# -- replica outputs whose shapes differ beyond dim 0: the README's ValueError on every path -----
+def _shaped_by_replica():
+    n = int(distribute.get_replica_context().replica_id_in_sync_group) + 1  # runs eagerly per replica
+    return jnp.zeros((2, n))
+
+
+def test_outputs_whose_other_dims_differ_name_the_shapes(s):
+    with pytest.warns(UserWarning, match="eagerly"), pytest.raises(ValueError, match=r"shapes \[\(2, 1\), \(2, 2\)\]: they may differ only in dim 0"):
+        s.run(_shaped_by_replica)
+    batch = next(iter(s.experimental_distribute_dataset(distribute.data.Dataset.from_tensor_slices(
+        np.arange(6, dtype=np.float32).reshape(3, 2)).batch(3))))  # rows 2 | 1: the uneven step
+    with pytest.raises(ValueError, match=r"shapes \[\(2, 2\), \(2, 1\)\]: they may differ only in dim 0"):
+        s.run(lambda x: x.T, args=(batch,))
+
+
+# -- gradient accumulation by hand in a sum-aggregated variable ---------------------------------
+def _accumulate_then_apply(strategy, apply_in_run):
+    x = np.array([[1.0], [2.0], [3.0], [4.0]], np.float32)
+    with strategy.scope():
+        w = keras.Variable([1.0])
+        accum = keras.Variable([0.0], aggregation="sum", trainable=False)
+        opt = keras.optimizers.SGD(0.1)
+        opt.build([w])
+
+    def accumulate(xb):
+        with distribute.GradientTape() as tape:
+            loss = distribute.compute_average_loss(keras.ops.square(w * xb)[:, 0] / 2, global_batch_size=4)
+        accum.assign_add(tape.gradient(loss, w))
+
+    def apply():
+        opt.apply_gradients([(accum.value, w)])
+        accum.assign(keras.ops.zeros_like(accum.value))
+
+    for xb in strategy.experimental_distribute_dataset(distribute.data.Dataset.from_tensor_slices(x).batch(2)):
+        strategy.run(accumulate, args=(xb,))
+    accumulated = accum.numpy().tolist()
+    if apply_in_run:
+        strategy.run(apply)
+    else:
+        apply()
+    return accumulated, w.numpy().tolist(), accum.numpy().tolist()
+
+
+@pytest.mark.parametrize("apply_in_run", [False, True])
+def test_two_accumulated_micro_steps_equal_one_step_on_the_whole_batch(s, apply_in_run):
+    """TF 2.21 gives one device's [7.5] and w = 0.25 when the sum is applied in cross-replica context; applied
+    inside run it sums the (already summed) mirrored gradient again (w = -0.5): here one device's both ways."""
+    one = _accumulate_then_apply(distribute.OneDeviceStrategy("/cpu:0"), apply_in_run)
+    got = _accumulate_then_apply(s, apply_in_run)
+    assert one[0] == [7.5] and one[1] == pytest.approx([0.25])
+    assert got[0] == one[0] and got[1] == pytest.approx(one[1]) and got[2] == [0.0]
