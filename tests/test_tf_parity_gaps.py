@@ -223,3 +223,22 @@ def test_two_accumulated_micro_steps_equal_one_step_on_the_whole_batch(s, apply_
     got = _accumulate_then_apply(s, apply_in_run)
     assert one[0] == [7.5] and one[1] == pytest.approx([0.25])
     assert got[0] == one[0] and got[1] == pytest.approx(one[1]) and got[2] == [0.0]
+
+
+def test_sync_on_read_sum_variable_through_a_checkpoint(s, tmp_path):
+    """Per-replica copies [1, 2] (3.0) are saved as 3.0; restored into 2 replicas each copy is 1.5, into one
+    device the value is 3.0, as TF."""
+    expected = TF["sync_on_read_checkpoint"]
+    with s.scope():
+        v = keras.Variable(0.0, synchronization="on_read", aggregation="sum")
+    s.run(lambda: v.assign_add(keras.ops.cast(distribute.get_replica_context().replica_id_in_sync_group + 1, "float32")))
+    assert [float(v.value), local(s, v)] == expected["before"]
+    path = distribute.Checkpoint(v=v).save(str(tmp_path / "c"))
+    with s.scope():
+        w = keras.Variable(5.0, synchronization="on_read", aggregation="sum")
+    distribute.Checkpoint(v=w).restore(path)
+    assert [float(w.value), local(s, w)] == expected["restored"]
+    with distribute.OneDeviceStrategy("/cpu:0").scope():
+        u = keras.Variable(5.0, synchronization="on_read", aggregation="sum")
+    distribute.Checkpoint(v=u).restore(path)
+    assert float(u.value) == expected["one_device"]

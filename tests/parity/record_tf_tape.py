@@ -359,6 +359,23 @@ def parity_gaps():
             result.append([name, guarded(lambda: getattr(status, name)() and "ok")])
         return result
 
+    def sync_on_read_checkpoint():
+        import tempfile
+
+        with S.scope():
+            v = tf.Variable(0.0, synchronization=tf.VariableSynchronization.ON_READ, aggregation=tf.VariableAggregation.SUM)
+        S.run(lambda: v.assign_add(tf.cast(tf.distribute.get_replica_context().replica_id_in_sync_group + 1, tf.float32)))
+        before = [float(v.numpy()), local(v)]
+        path = tf.train.Checkpoint(v=v).save(os.path.join(tempfile.mkdtemp(), "c"))
+        with S.scope():
+            w = tf.Variable(5.0, synchronization=tf.VariableSynchronization.ON_READ, aggregation=tf.VariableAggregation.SUM)
+        tf.train.Checkpoint(v=w).restore(path)
+        with tf.distribute.OneDeviceStrategy("/cpu:0").scope():
+            u = tf.Variable(5.0, synchronization=tf.VariableSynchronization.ON_READ, aggregation=tf.VariableAggregation.SUM)
+        tf.train.Checkpoint(v=u).restore(path)
+        return {"before": before, "restored": [float(w.numpy()), local(w)], "one_device": float(u.numpy())}
+
+    out["sync_on_read_checkpoint"] = guarded(sync_on_read_checkpoint)
     out["update/sum_on_read_assign"] = guarded(sum_on_read_assign)
     out["update/mean_on_read_assign"] = guarded(mean_on_read_assign)
     out["update/on_read_per_replica"] = guarded(on_read_per_replica)
