@@ -196,8 +196,10 @@ def _content_key(x: Any, depth: int) -> Any:
         return (type(x), x)
     if isinstance(x, types.FunctionType):
         return function_key(x, depth + 1)
-    if type(x) is tuple and all(isinstance(v, _VALUE_TYPES) for v in x):
-        return ("tuple", tuple((type(v), v) for v in x))
+    if type(x) is tuple and depth < 3:  # defaults: a new tuple for every new function object
+        return ("tuple", tuple(_content_key(v, depth + 1) for v in x))
+    if type(x) is dict and depth < 3 and all(isinstance(k, str) for k in x):  # keyword-only defaults
+        return ("dict", tuple(sorted((k, _content_key(v, depth + 1)) for k, v in x.items())))
     return _Same(x)
 
 
