@@ -6,16 +6,10 @@ the same structure: dataset distributed with `experimental_distribute_dataset`,
 a `train_step` run on every replica with `strategy.run`, losses combined with
 `strategy.reduce`, and Mean / SparseCategoricalAccuracy metrics created in scope.
 
-The one change a TF loop needs: JAX has no tape, so the recorded code moves
-into a function and `distribute.compute_gradients` replaces `tape.gradient`:
-
-    # TF:   with tf.GradientTape() as tape:
-    #           predictions = model(images, training=True)
-    #           loss = compute_loss(labels, predictions)
-    #       gradients = tape.gradient(loss, model.trainable_variables)
-    loss, gradients = distribute.compute_gradients(
-        lambda: compute_loss(labels, model(images, training=True)),
-        model.trainable_variables)
+The TF loop as it is, but for the names: `tf.distribute` -> `distribute`,
+`tf.data` -> `distribute.data`, `tf.GradientTape` -> `distribute.GradientTape`,
+`tf.nn.compute_average_loss` -> `distribute.compute_average_loss`,
+`@tf.function` -> `@distribute.function`.
 
 Run: python examples/custom_loop.py [--epochs N]
 """
@@ -71,11 +65,11 @@ def main(epochs: int = 5) -> float:
     def train_step(inputs):
         images, labels = inputs
 
-        def loss_fn():
+        with distribute.GradientTape() as tape:
             predictions = model(images, training=True)
-            return compute_loss(labels, predictions), predictions
+            loss = compute_loss(labels, predictions)
 
-        (loss, predictions), gradients = distribute.compute_gradients(loss_fn, model.trainable_variables, has_aux=True)
+        gradients = tape.gradient(loss, model.trainable_variables)
         optimizer.apply_gradients(zip(gradients, model.trainable_variables))
         train_accuracy.update_state(labels, predictions)
         return loss
@@ -86,14 +80,22 @@ def main(epochs: int = 5) -> float:
         test_loss.update_state(loss_object(labels, predictions))
         test_accuracy.update_state(labels, predictions)
 
+    @distribute.function
+    def distributed_train_step(dataset_inputs):
+        per_replica_losses = strategy.run(train_step, args=(dataset_inputs,))
+        return strategy.reduce(distribute.ReduceOp.SUM, per_replica_losses, axis=None)
+
+    @distribute.function
+    def distributed_test_step(dataset_inputs):
+        return strategy.run(test_step, args=(dataset_inputs,))
+
     for epoch in range(epochs):
         total_loss, num_batches = 0.0, 0
         for x in train_dist_dataset:
-            per_replica_losses = strategy.run(train_step, args=(x,))
-            total_loss += float(strategy.reduce(distribute.ReduceOp.SUM, per_replica_losses, axis=None))
+            total_loss += float(distributed_train_step(x))
             num_batches += 1
         for x in test_dist_dataset:
-            strategy.run(test_step, args=(x,))
+            distributed_test_step(x)
         print(
             f"Epoch {epoch + 1}, Loss: {total_loss / num_batches:.4f}, "
             f"Accuracy: {float(train_accuracy.result()) * 100:.2f}, "

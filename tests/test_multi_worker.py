@@ -57,7 +57,9 @@ def keras_fit(strategy):
     return [w.tolist() for w in model.get_weights()], history.history["loss"][-1], predictions.tolist()
 
 
-def custom_loop(strategy):
+def custom_loop(strategy, tape=False):
+    """The custom loop (37 rows by 8: the last step uneven, eager across workers); ``tape``: written with
+    distribute.GradientTape as TF writes it, else with distribute.compute_gradients."""
     import keras
 
     import distribute
@@ -76,7 +78,12 @@ def custom_loop(strategy):
         def loss_fn():
             return distribute.compute_average_loss(loss_object(labels, model(features, training=True)))
 
-        loss, grads = distribute.compute_gradients(loss_fn, model.trainable_variables)
+        if tape:
+            with distribute.GradientTape() as t:
+                loss = loss_fn()
+            grads = t.gradient(loss, model.trainable_variables)
+        else:
+            loss, grads = distribute.compute_gradients(loss_fn, model.trainable_variables)
         optimizer.apply_gradients(zip(grads, model.trainable_variables))
         return loss
 
@@ -237,6 +244,7 @@ def _worker(scenario: str, out_dir: str) -> None:
         out["run"] = run_reduce_gather(strategy)
         out["fit_weights"], out["fit_loss"], out["predictions"] = keras_fit(strategy)
         out["loop_weights"], out["loop_losses"] = custom_loop(strategy)
+        out["tape_loop_weights"], out["tape_loop_losses"] = custom_loop(strategy, tape=True)
     pathlib.Path(out_dir, f"worker{me}.json").write_text(json.dumps(out))
     print("done", flush=True)
 
@@ -326,6 +334,10 @@ def test_custom_loop_equals_single_process(two_by_two, four_replicas):
         for got, want in zip(worker["loop_weights"], weights):
             np.testing.assert_allclose(got, want, rtol=RTOL, atol=1e-7)
         np.testing.assert_allclose(worker["loop_losses"], losses, rtol=RTOL)
+        # the same loop with a tape (its uneven last step runs eagerly across the workers)
+        for got, want in zip(worker["tape_loop_weights"], weights):
+            np.testing.assert_allclose(got, want, rtol=RTOL, atol=1e-7)
+        np.testing.assert_allclose(worker["tape_loop_losses"], losses, rtol=RTOL)
 
 
 @pytest.mark.parametrize("fixture", ["two_by_two", "three_by_one"])

@@ -2,19 +2,17 @@
 
 Source: tensorflow/docs site/en/tutorials/distribute/custom_training.ipynb.
 Substitutions: tf.distribute -> distribute, tf.data -> distribute.data, tf.keras -> keras,
-tf.GradientTape + tape.gradient(loss, model.trainable_variables) -> distribute.compute_gradients(loss_fn,
-lambda: model.trainable_variables) (the variables are read after the block, as tape.gradient reads them:
-the model is built by its first call), tf.nn.compute_average_loss -> distribute.compute_average_loss,
+tf.GradientTape -> distribute.GradientTape, tf.nn.compute_average_loss -> distribute.compute_average_loss,
 tf.nn.scale_regularization_loss -> distribute.scale_regularization_loss, tf.add_n -> sum,
 tf.train.Checkpoint -> distribute.Checkpoint, tf.train.latest_checkpoint -> distribute.latest_checkpoint,
-reset_states -> reset_state (Keras 3), @tf.function dropped. As TF writes it: the model is built lazily by the
-first step (no Input layer), with an L2 kernel_regularizer whose losses come through model.losses; a checkpoint
-every other epoch, restored into a model without a strategy (deferred restoration: that model is built by its
-first call too); the iterator loop and the loop "inside a function". Fashion-MNIST is replaced by small
-synthetic data of the same shape (28x28x1 float32 in [0, 1], labels 0..9), 300 train / 100 test images, so every
-epoch ends with a partial batch (300 = 4 x 64 + 44); the initial weights come from keras.utils.set_random_seed
-before create_model, the shuffle gets a seed, so runs can be compared. EPOCHS is 2 (TF: 10) and the iterator loop
-takes 3 steps (TF: 10 of its 938 batches).
+reset_states -> reset_state (Keras 3), @tf.function -> @distribute.function. As TF writes it: the model is built
+lazily by the first step (no Input layer), inside the tape, with an L2 kernel_regularizer whose losses come
+through model.losses; a checkpoint every other epoch, restored into a model without a strategy (deferred
+restoration: that model is built by its first call too); the iterator loop and the loop "inside a function".
+Fashion-MNIST is replaced by small synthetic data of the same shape (28x28x1 float32 in [0, 1], labels 0..9),
+300 train / 100 test images, so every epoch ends with a partial batch (300 = 4 x 64 + 44); the initial weights
+come from keras.utils.set_random_seed before create_model, the shuffle gets a seed, so runs can be compared.
+EPOCHS is 2 (TF: 10) and the iterator loop takes 3 steps (TF: 10 of its 938 batches).
 
 What is asserted: the tutorial on 2 replicas and on OneDeviceStrategy ends at the one-device weights, losses and
 metrics (within float32 rounding), also with a global batch that does not divide by the replicas (63 on 2
@@ -111,13 +109,11 @@ def run_tutorial(strategy, checkpoint_dir, shuffle=True, extras=True, GLOBAL_BAT
     def train_step(inputs):
         images, labels = inputs
 
-        def loss_fn():  # was: with tf.GradientTape() as tape:
+        with distribute.GradientTape() as tape:
             predictions = model(images, training=True)
             loss = compute_loss(labels, predictions, model.losses)
-            return loss, predictions
 
-        # was: gradients = tape.gradient(loss, model.trainable_variables)
-        (loss, predictions), gradients = distribute.compute_gradients(loss_fn, lambda: model.trainable_variables, has_aux=True)
+        gradients = tape.gradient(loss, model.trainable_variables)
         optimizer.apply_gradients(zip(gradients, model.trainable_variables))
 
         train_accuracy.update_state(labels, predictions)
@@ -132,11 +128,12 @@ def run_tutorial(strategy, checkpoint_dir, shuffle=True, extras=True, GLOBAL_BAT
         test_loss.update_state(t_loss)
         test_accuracy.update_state(labels, predictions)
 
-    # `run` replicates the provided computation and runs it with the distributed input.
+    @distribute.function
     def distributed_train_step(dataset_inputs):
         per_replica_losses = strategy.run(train_step, args=(dataset_inputs,))
         return strategy.reduce(distribute.ReduceOp.SUM, per_replica_losses, axis=None)
 
+    @distribute.function
     def distributed_test_step(dataset_inputs):
         return strategy.run(test_step, args=(dataset_inputs,))
 
@@ -178,6 +175,7 @@ def run_tutorial(strategy, checkpoint_dir, shuffle=True, extras=True, GLOBAL_BAT
 
     test_dataset = distribute.data.Dataset.from_tensor_slices((test_images, test_labels)).batch(GLOBAL_BATCH_SIZE)
 
+    @distribute.function
     def eval_step(images, labels):
         predictions = new_model(images, training=False)
         eval_accuracy(labels, predictions)
@@ -204,7 +202,8 @@ def run_tutorial(strategy, checkpoint_dir, shuffle=True, extras=True, GLOBAL_BAT
         iter_losses.append((float(average_train_loss), float(train_accuracy.result())))
         train_accuracy.reset_state()
 
-    # -- Iterating inside a function (was @tf.function)
+    # -- iterating inside a function
+    @distribute.function
     def distributed_train_epoch(dataset):
         total_loss = 0.0
         num_batches = 0

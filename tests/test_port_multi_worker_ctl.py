@@ -3,12 +3,12 @@
 Source: tensorflow/docs site/en/tutorials/distribute/multi_worker_with_ctl.ipynb, its ``mnist.py`` and
 the "Complete code at a glance" ``main.py``, run through the launcher as the README says.
 Substitutions: tf.distribute -> distribute, tf.data -> distribute.data, tf.keras -> keras,
-tf.GradientTape + tape.gradient -> distribute.compute_gradients, tf.nn.compute_average_loss /
+tf.GradientTape -> distribute.GradientTape, tf.nn.compute_average_loss /
 scale_regularization_loss -> distribute.*, tf.add_n -> sum, tf.Variable(initial_value=tf.constant(0,
 dtype=int64)) -> keras.Variable(initializer=np.int64(0)), tf.train.Checkpoint / CheckpointManager /
 latest_checkpoint -> distribute.*, tf.train.ClusterSpec -> distribute.cluster_resolver.ClusterSpec,
 tf.io.gfile.makedirs / rmtree -> os.makedirs / shutil.rmtree, ``train_accuracy.reset_states()`` ->
-``reset_state()`` (Keras 3), ``util.get_temp_dir()`` -> the test's OUT dir, @tf.function dropped.
+``reset_state()`` (Keras 3), ``util.get_temp_dir()`` -> the test's OUT dir, @tf.function -> @distribute.function.
 MNIST -> 256 synthetic 28x28 images; the CNN has 4 filters and 16 units (was 32 and 128);
 num_steps_per_epoch 70 -> 3, per-worker batch 64 -> 8; the shuffle gets a seed and the model a Keras
 seed; ``num_epochs`` comes from argv so the second launch resumes; results are written to JSON.
@@ -150,13 +150,14 @@ MAIN = textwrap.dedent('''
       train_accuracy = keras.metrics.SparseCategoricalAccuracy(
           name='train_accuracy')
 
+    @distribute.function
     def train_step(iterator):
       """Training step function."""
 
       def step_fn(inputs):
         """Per-Replica step function."""
         x, y = inputs
-        def loss_fn():                                    # was: with tf.GradientTape() as tape:
+        with distribute.GradientTape() as tape:
           predictions = multi_worker_model(x, training=True)
           per_example_loss = keras.losses.SparseCategoricalCrossentropy(
               from_logits=True,
@@ -165,10 +166,8 @@ MAIN = textwrap.dedent('''
           model_losses = multi_worker_model.losses
           if model_losses:
             loss += distribute.scale_regularization_loss(sum(model_losses))
-          return loss, predictions
 
-        (loss, predictions), grads = distribute.compute_gradients(
-            loss_fn, multi_worker_model.trainable_variables, has_aux=True)
+        grads = tape.gradient(loss, multi_worker_model.trainable_variables)
         optimizer.apply_gradients(
             zip(grads, multi_worker_model.trainable_variables))
         train_accuracy.update_state(y, predictions)

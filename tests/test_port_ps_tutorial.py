@@ -10,7 +10,7 @@ of the port (see the tests' comments):
   counts (2 workers, 1 ps), no servers are started.
 - ``tf.keras.utils.experimental.DatasetCreator`` is ``distribute.DatasetCreator``
   (Keras 3 has none, on TF 2.21 either).
-- ``tf.GradientTape`` -> ``distribute.compute_gradients`` (README); ``tf.nn.compute_average_loss``
+- ``tf.GradientTape`` -> ``distribute.GradientTape``; ``tf.nn.compute_average_loss``
   -> ``distribute.compute_average_loss``; ``tf.cast``/``tf.greater`` -> ``keras.ops``.
 - ``StringLookup`` needs TensorFlow under Keras 3's JAX backend: the lookups are
   numpy dictionaries in the dataset function (the README's rule for map functions).
@@ -115,12 +115,12 @@ def _build(strategy, learning_rate=0.1):
 def _step_fn(strategy, model, optimizer, accuracy, steps_per_invocation=1):
     def step_fn(iterator):
         def replica_fn(batch_data, labels):
-            def loss_fn():  # TF: with tf.GradientTape() as tape:
+            with distribute.GradientTape() as tape:
                 pred = model(batch_data, training=True)
                 per_example_loss = keras.losses.BinaryCrossentropy(reduction="none")(labels, pred)
-                return distribute.compute_average_loss(per_example_loss), pred
+                loss = distribute.compute_average_loss(per_example_loss)
+            gradients = tape.gradient(loss, model.trainable_variables)
 
-            (loss, pred), gradients = distribute.compute_gradients(loss_fn, model.trainable_variables, has_aux=True)
             optimizer.apply_gradients(zip(gradients, model.trainable_variables))
             actual_pred = keras.ops.cast(keras.ops.greater(pred, 0.5), "int32")
             accuracy.update_state(labels, actual_pred)
@@ -492,10 +492,9 @@ def _linear_setup(strategy, coordinator):
     def step_fn(iterator):
         bx, by = next(iterator)
 
-        def loss_fn():
-            return keras.ops.mean((model(bx) - by) ** 2)
-
-        loss, grads = distribute.compute_gradients(loss_fn, model.trainable_variables)
+        with distribute.GradientTape() as tape:
+            loss = keras.ops.mean((model(bx) - by) ** 2)
+        grads = tape.gradient(loss, model.trainable_variables)
         optimizer.apply_gradients(zip(grads, model.trainable_variables))
         return loss
 
@@ -644,11 +643,10 @@ def test_readme_parameter_server_loop_as_written(strategy, coordinator):
     def step(iterator):  # traced once on the coordinator, run by the workers
         x, y = next(iterator)
 
-        def loss_fn():
+        with distribute.GradientTape() as tape:
             logits = model(x, training=True)
-            return loss_object(y, logits), logits
-
-        (loss, logits), grads = distribute.compute_gradients(loss_fn, model.trainable_variables, has_aux=True)
+            loss = loss_object(y, logits)
+        grads = tape.gradient(loss, model.trainable_variables)
         optimizer.apply_gradients(zip(grads, model.trainable_variables))
         accuracy.update_state(y, logits)
         return loss

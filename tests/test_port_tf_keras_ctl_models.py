@@ -2,11 +2,10 @@
 
 Source: keras-team/tf-keras tf_keras/distribute/custom_training_loop_models_test.py (KerasModelsTest).
 Substitutions: tf.distribute -> distribute, tf.data -> distribute.data, tf_keras -> keras (Keras 3),
-keras.optimizers.legacy.* -> keras.optimizers.*, tf.GradientTape + tape.gradient ->
-distribute.compute_gradients (a per-example loss vector is differentiated through its sum, as
-tape.gradient does), ``for _ in tf.range(n)`` -> ``range(n)``, tf.reduce_mean -> keras.ops.mean,
+keras.optimizers.legacy.* -> keras.optimizers.*, tf.GradientTape -> distribute.GradientTape,
+``for _ in tf.range(n)`` -> ``range(n)``, tf.reduce_mean -> keras.ops.mean,
 ``model.save_weights(".h5")`` -> ``".weights.h5"`` (Keras 3's rule), ``input_shape=`` ->
-``keras.Input``, tf.nest.map_structure -> jax.tree_util.tree_map, @tf.function dropped.
+``keras.Input``, tf.nest.map_structure -> jax.tree_util.tree_map, @tf.function -> @distribute.function.
 ``all_strategies`` -> the default strategy, OneDeviceStrategy and MirroredStrategy over 2 CPU devices.
 
 The TF tests only check that the programs run (their inputs and targets are zeros). Here the inputs
@@ -15,10 +14,10 @@ strategy (one device) gives the same weights, as tf.distribute promises for grad
 replicas (``_get_dataset``: 31 rows in batches of 10, so the last step is uneven, 1 | 0 rows);
 test_lstm's per-replica ``reduce_mean`` loss makes TF's summed gradient R times one device's mean
 gradient, which is asserted; test_variable_run_argument is checked against its closed form.
-Changes beyond substitution: the models are built before the step (Keras 3 builds on the first call;
-the program as TF writes it, building inside the step, is the strict xfail at the end: compute_gradients
-takes the variable list before the forward pass); ``nested_tf_functions`` gives model2 its own optimizer
-(a Keras 3 optimizer is bound to the variables it first updates).
+Changes beyond substitution: most models are built before the step (Keras 3 builds on the first call;
+the program as TF writes it, building inside the step, is test_model_built_inside_the_step_trains);
+``nested_tf_functions`` gives model2 its own optimizer (a Keras 3 optimizer is bound to the variables
+it first updates). The one-device references use distribute.compute_gradients.
 
 Found by this port (fixed): every Keras RNN layer failed inside ``run`` and ``fit`` under any strategy
 (keras_support/layers.py, lifting.py); ``compute_gradients`` refused a per-example loss vector and the
@@ -89,15 +88,15 @@ def single_keras_layer_run(distribution):
         model = keras.layers.Dense(4, name="dense")
         model.build((None, 3))  # added: Keras 3 builds on the first call, inside the step
 
+    @distribute.function
     def train_step(iterator):
         def step_fn(inputs):
             images, targets = inputs
-
-            def loss_fn():
+            with distribute.GradientTape() as tape:
                 outputs = model(images)
-                return keras.losses.mean_squared_error(targets, outputs)
+                loss = keras.losses.mean_squared_error(targets, outputs)
 
-            _, grads = distribute.compute_gradients(loss_fn, model.variables)
+            grads = tape.gradient(loss, model.variables)
             return grads
 
         outputs = distribution.run(step_fn, args=(next(iterator),))
@@ -142,15 +141,15 @@ def keras_model_optimizer_run(distribution, subclass=False, loop=False):
 
     def step_fn(inputs):
         images, targets = inputs
-
-        def loss_fn():
+        with distribute.GradientTape() as tape:
             outputs = model(images)
-            return keras.losses.mean_squared_error(targets, outputs)
+            loss = keras.losses.mean_squared_error(targets, outputs)
 
-        loss, grads = distribute.compute_gradients(loss_fn, model.variables)
+        grads = tape.gradient(loss, model.variables)
         optimizer.apply_gradients(zip(grads, model.variables))
         return loss
 
+    @distribute.function
     def train_step(replicated_inputs):
         outputs = distribution.run(step_fn, args=(replicated_inputs,))
         return jax.tree_util.tree_map(distribution.experimental_local_results, outputs,
@@ -204,15 +203,15 @@ def lstm(distribution):
         model = create_lstm_model()
         optimizer = keras.optimizers.SGD()
 
+    @distribute.function
     def train_step(input_iterator):
         def step_fn(inputs):
             inps, targ = inputs
-
-            def loss_fn():
+            with distribute.GradientTape() as tape:
                 output = model(inps)
-                return keras.ops.mean(keras.losses.binary_crossentropy(y_true=targ, y_pred=output, from_logits=False))
+                loss = keras.ops.mean(keras.losses.binary_crossentropy(y_true=targ, y_pred=output, from_logits=False))
 
-            loss, grads = distribute.compute_gradients(loss_fn, model.variables)
+            grads = tape.gradient(loss, model.variables)
             optimizer.apply_gradients(zip(grads, model.variables))
             return loss
 
@@ -275,22 +274,29 @@ def test_nested_tf_functions(name, tmp_path):
         outputs = model(images)
         return keras.losses.mean_squared_error(targets, outputs)
 
+    @distribute.function
     def train_step_without_nested_tf_function(inputs):
         def step_fn(inputs):
             images, targets = inputs
-            _, grads = distribute.compute_gradients(lambda: compute_loss(images, targets), model.variables)
+            with distribute.GradientTape() as tape:
+                loss = compute_loss(images, targets)
+            grads = tape.gradient(loss, model.variables)
             optimizer.apply_gradients(zip(grads, model.variables))
 
         distribution.run(step_fn, args=(inputs,))
 
+    @distribute.function
     def compute_loss2(images, targets):
         outputs = model2(images)
         return keras.losses.mean_squared_error(targets, outputs)
 
+    @distribute.function
     def train_step_with_nested_tf_function(inputs):
         def step_fn(inputs):
             images, targets = inputs
-            _, grads = distribute.compute_gradients(lambda: compute_loss2(images, targets), model2.variables)
+            with distribute.GradientTape() as tape:
+                loss = compute_loss2(images, targets)
+            grads = tape.gradient(loss, model2.variables)
             optimizer2.apply_gradients(zip(grads, model2.variables))
 
         distribution.run(step_fn, args=(inputs,))
@@ -327,17 +333,18 @@ def test_nested_tf_functions_with_control_flow(name):
 
         def step_fn(inputs):
             images, targets = inputs
-
-            def loss_fn():
+            with distribute.GradientTape() as tape:
                 outputs = model(images)
-                return keras.losses.mean_squared_error(targets, outputs)
+                loss = keras.losses.mean_squared_error(targets, outputs)
 
-            _, grads = distribute.compute_gradients(loss_fn, model.variables)
+            grads = tape.gradient(loss, model.variables)
             optimizer.apply_gradients(zip(grads, model.variables))
 
+        @distribute.function
         def train_step(iterator):
             distribution.run(step_fn, args=(next(iterator),))
 
+        @distribute.function
         def train_steps(iterator):
             for _ in range(10):
                 train_step(iterator)
@@ -363,14 +370,14 @@ def test_variable_run_argument(name):
     dataset = dataset.batch(2, drop_remainder=True)
 
     def replica_step(trainable_variables, features):
-        def loss_fn():
+        with distribute.GradientTape() as tape:
             net_out = net(features[0], training=True)
-            return (net_out - 1.0) * (net_out - 1.0)
-
-        loss, gradients = distribute.compute_gradients(loss_fn, trainable_variables)
+            loss = (net_out - 1.0) * (net_out - 1.0)
+        gradients = tape.gradient(loss, trainable_variables)
         optimizer.apply_gradients(zip(gradients, trainable_variables))
         return loss
 
+    @distribute.function
     def step(features):
         per_replica_losses = distribution.run(replica_step, (net.trainable_variables, features))
         loss = distribution.reduce(distribute.ReduceOp.SUM, per_replica_losses, axis=None)
@@ -386,18 +393,7 @@ def test_variable_run_argument(name):
                                rtol=1e-6)
 
 
-@pytest.mark.xfail(strict=True, raises=ValueError, reason=(
-    "tf-keras builds these models inside the step (KerasSubclassModel, keras.layers.Dense(4) unbuilt) and "
-    "reads `model.variables` for `tape.gradient` after the forward pass. distribute.compute_gradients(loss_fn, "
-    "model.variables) receives the list before loss_fn runs: empty for an unbuilt model, so no gradients "
-    "come back and Keras' apply_gradients(zip([], [])) raises 'not enough values to unpack'. TF trains the "
-    "model (the same weights as one device). Remedy: let compute_gradients take a callable for `variables` "
-    "(build by an abstract first call, then differentiate), or raise a ValueError naming the unbuilt model "
-    "and the fix (build it first: model.build / one call)."))
-@pytest.mark.parametrize("name", ["mirrored_2"])
-def test_model_built_inside_the_step_trains(name):
-    distribution = make(name)
-
+def model_built_inside_the_step(distribution):
     class KerasSubclassModel(keras.Model):
         def __init__(self):
             super().__init__()
@@ -407,18 +403,29 @@ def test_model_built_inside_the_step_trains(name):
             return self.l(x)
 
     with distribution.scope():
+        keras.utils.set_random_seed(5)
         model = KerasSubclassModel()
         optimizer = keras.optimizers.RMSprop()
 
     def step_fn(inputs):
         images, targets = inputs
+        with distribute.GradientTape() as tape:
+            outputs = model(images)
+            loss = keras.losses.mean_squared_error(targets, outputs)
 
-        def loss_fn():
-            return keras.losses.mean_squared_error(targets, model(images))
-
-        loss, grads = distribute.compute_gradients(loss_fn, model.variables)
+        grads = tape.gradient(loss, model.variables)
         optimizer.apply_gradients(zip(grads, model.variables))
         return loss
 
-    distribution.run(step_fn, args=(next(iter(distribution.experimental_distribute_dataset(_get_dataset()))),))
-    assert len(model.variables) == 2
+    for inputs in distribution.experimental_distribute_dataset(_get_dataset()):
+        distribution.run(step_fn, args=(inputs,))
+    return _weights(model)
+
+
+@pytest.mark.parametrize("name", STRATEGIES)
+def test_model_built_inside_the_step_trains(name):
+    """tf-keras' program as written: the model is built by its first call, inside the tape's block; the
+    weights after every batch (the last one uneven) are one device's, as TF's."""
+    got = model_built_inside_the_step(make(name))
+    assert len(got) == 2
+    _assert_same(got, model_built_inside_the_step(distribute.get_strategy()))

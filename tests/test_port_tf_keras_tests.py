@@ -4,7 +4,7 @@ Sources (keras-team/tf-keras, tf_keras/distribute/): ctl_correctness_test.py (th
 correctness test: a strategy's weights, loss and accuracy equal the no-strategy run's) and
 keras_metrics_test.py (metrics updated through ``strategy.run`` give the tests' numbers).
 Substitutions: tf.distribute -> distribute, tf.data -> distribute.data, tf_keras -> keras (Keras 3),
-tf.GradientTape + tape.gradient -> distribute.compute_gradients, tf.nn.compute_average_loss /
+tf.GradientTape -> distribute.GradientTape, tf.nn.compute_average_loss /
 scale_regularization_loss -> distribute.*, tf.cast(n, tf.float32) -> float(n), ``input_shape=(1,)``
 -> ``keras.Input((1,))``, ``make_input_fn_iterator(lambda _: dataset_fn())`` (graph mode only) ->
 ``iter(distribute_datasets_from_function(lambda _: dataset_fn()))`` (the same per-replica batches),
@@ -124,11 +124,11 @@ def iteration_outside_func(initial_weights, dataset, optimizer_fn, iteration_typ
             def step_fn(inputs):
                 samples, labels = inputs
 
-                def loss_fn():  # was: with tf.GradientTape() as tape:
+                with distribute.GradientTape() as tape:
                     logits = model(samples)
-                    return compute_loss(labels, logits, model.losses), logits
+                    loss = compute_loss(labels, logits, model.losses)
 
-                (loss, logits), grads = distribute.compute_gradients(loss_fn, model.trainable_variables, has_aux=True)
+                grads = tape.gradient(loss, model.trainable_variables)
                 optimizer.apply_gradients(zip(grads, model.trainable_variables))
                 training_accuracy.update_state(labels, logits)
                 return loss
@@ -174,11 +174,11 @@ def iteration_inside_func(initial_weights, dataset, optimizer_fn, iteration_type
             def step_fn(inputs):
                 samples, labels = inputs
 
-                def loss_fn():
+                with distribute.GradientTape() as tape:
                     logits = model(samples)
-                    return compute_loss(labels, logits, model.losses), logits
+                    loss = compute_loss(labels, logits, model.losses)
 
-                (loss, logits), grads = distribute.compute_gradients(loss_fn, model.trainable_variables, has_aux=True)
+                grads = tape.gradient(loss, model.trainable_variables)
                 optimizer.apply_gradients(zip(grads, model.trainable_variables))
                 training_accuracy.update_state(labels, logits)
                 return loss

@@ -504,10 +504,9 @@ def test_all_reduce_gradient_wrt_mirrored_variable(op, expected_grads):
     def fn():
         rc = distribute.get_replica_context()
 
-        def loss_fn():  # was: with tf.GradientTape() as t: out = rc.all_reduce(op, v * (replica_id + 1))
-            return rc.all_reduce(op, v * keras.ops.cast(rc.replica_id_in_sync_group + 1, "float32"))
-
-        out, grads = distribute.compute_gradients(loss_fn, [v])
+        with distribute.GradientTape() as t:
+            out = rc.all_reduce(op, v * keras.ops.cast(rc.replica_id_in_sync_group + 1, "float32"))
+        grads = t.gradient(out, [v])
         return out, grads[0]
 
     out = s.experimental_local_results(s.run(fn))

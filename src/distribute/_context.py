@@ -96,6 +96,30 @@ def leave_replica() -> Iterator[None]:
         _STATE.reset(token)
 
 
+class NeedsCrossReplica(Exception):
+    """A ``distribute.function`` being compiled as one replica program called a strategy's cross-replica API."""
+
+
+_FUNCTION_TRACE: contextvars.ContextVar[bool] = contextvars.ContextVar("distribute_function_trace", default=False)
+
+
+@contextlib.contextmanager
+def function_trace() -> Iterator[None]:
+    """Inside: a ``distribute.function`` is being compiled as the default strategy's replica function."""
+    token = _FUNCTION_TRACE.set(True)
+    try:
+        yield
+    finally:
+        _FUNCTION_TRACE.reset(token)
+
+
+def check_cross_replica_call() -> None:
+    """Called by a strategy's cross-replica API inside a replica context: a ``distribute.function``'s
+    trace then gives up (the function runs as Python); otherwise nothing happens."""
+    if _FUNCTION_TRACE.get():
+        raise NeedsCrossReplica()
+
+
 @contextlib.contextmanager
 def outside_scope() -> Iterator[None]:
     """Runs the block as if no strategy scope were entered (variables made there are plain, local ones)."""

@@ -53,7 +53,7 @@ __all__ = [
     "BaseOptimizer", "BatchNormalization", "DataAdapter", "JAXTrainer", "JaxVariable", "KerasVariable", "Layer",
     "Metric", "Patch", "SeedGenerator", "StatelessScope", "Trainer", "copy_thread_state", "data_adapter_utils",
     "data_adapters", "get_stateless_scope", "global_state", "initialize_all_variables", "install", "installed",
-    "keras_backend", "per_thread", "rng_utils", "tree",
+    "keras_backend", "per_thread", "placeholder_value", "rng_utils", "tree",
 ]
 
 
@@ -170,3 +170,9 @@ def per_thread(name: str, make_default: Callable[[], Any]) -> Callable[[Any], _P
         return _PerThread(name, make_default)
 
     return wrap
+
+
+def placeholder_value(variable: Any) -> Any:
+    """What Keras reads for a variable created while a program is traced (its value is deferred):
+    its initializer's output (``Variable.value``'s own fallback)."""
+    return variable._initializer(variable._shape, dtype=variable._dtype)

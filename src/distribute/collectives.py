@@ -261,6 +261,12 @@ def per_replica_from_local(strategy: Any, per_device: list, all_rows: Sequence[i
     """
     per_device = [jnp.asarray(v) for v in per_device]
     shapes = {v.shape for v in per_device}
+    if len({(v.ndim, v.shape[1:]) for v in per_device}) > 1 or (len(shapes) > 1 and 0 in {v.ndim for v in per_device}):
+        raise ValueError(
+            f"The replicas' values have shapes {[tuple(v.shape) for v in per_device]}: they may differ only in "
+            "dim 0 (the batch dim), as one global array backs a PerReplica. Make the other dims equal on every "
+            "replica (pad them, or return per-row values)."
+        )
     if all_rows is None:
         all_rows = [v.shape[0] if v.ndim else None for v in per_device]
     if len(shapes) == 1 and len(set(all_rows)) == 1:

@@ -66,7 +66,7 @@ class _DefaultStrategy(MeshStrategy):
             return fn(*args, **(kwargs or {}))
         outputs = tracing.run(self, fn, tuple(args), dict(kwargs or {}))
         # One replica: plain values, as TF's default strategy returns.
-        return jax.tree_util.tree_map(lambda v: v.values[0], outputs, is_leaf=is_distributed)
+        return jax.tree_util.tree_map(lambda v: v.values[0] if is_distributed(v) else v, outputs, is_leaf=is_distributed)
 
     def reduce(self, reduce_op: ReduceOp | str, value: Any, axis: int | None = None) -> Any:
         op = ReduceOp.from_value(reduce_op)

@@ -6,6 +6,7 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
+    "CentralStorageStrategy": "distribute.central_storage",
     "CommunicationImplementation": "distribute.multi_worker",
     "CommunicationOptions": "distribute.multi_worker",
     "MultiWorkerMirroredStrategy": "distribute.multi_worker",

@@ -112,17 +112,29 @@ class StrategyExtended(abc.ABC):
         return [self.reduce_to(reduce_op, value, destinations, options) for value, destinations in value_destination_pairs]
 
     def update(self, var: Any, fn: Callable, args: Sequence = (), kwargs: dict | None = None, group: bool = True) -> Any:
-        """Runs ``fn(var, *args, **kwargs)`` to update a variable in cross-replica context.
+        """Runs ``fn(copy, *args, **kwargs)`` on each copy of ``var`` with that replica's arguments (TF: update).
 
-        Raises RuntimeError inside ``run`` (TF requires cross-replica context here).
+        PerReplica arguments give each copy its component, Mirrored ones their
+        copy (``per_copy.py``): a SUM SyncOnRead variable updated with
+        ``assign(5.0)`` on 2 replicas holds 5.0 per copy and reads 10.0, as TF.
+        Returns a Mirrored value of ``fn``'s results (PerReplica when they
+        differ; a tuple with ``group=False``).
+
+        Raises:
+            RuntimeError: inside ``run`` outside a ``merge_call`` (TF requires
+                cross-replica context here).
+            ValueError: a MirroredVariable's copies would get different values.
         """
         require_cross_replica("extended.update", "update the variable from the replica function with var.assign(...)")
-        return fn(var, *args, **(kwargs or {}))
+        from distribute import per_copy
+
+        return per_copy.update(self._container_strategy, var, fn, tuple(args), dict(kwargs or {}), group)
 
 
 def require_cross_replica(what: str, fix: str) -> None:
     """Raises RuntimeError naming ``what`` and ``fix`` inside ``strategy.run`` (replica context)."""
     if _context.current_replica_context() is not None:
+        _context.check_cross_replica_call()  # a distribute.function's trace: it runs as Python instead
         raise RuntimeError(
             f"{what} may only be called in cross-replica context (outside strategy.run); "
             f"it was called inside the replica function. Inside run, {fix} instead."

@@ -10,12 +10,15 @@ the SPMD step (``tracing.py``) and the uneven step (``uneven_step.py``).
 
 from __future__ import annotations
 
+import functools
+import types
 from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from distribute import ownership, sync_on_read
+from distribute import _invocation, ownership, sync_on_read
 from distribute.collectives import local_buffers
 from distribute._keras import KerasVariable, StatelessScope
 from distribute.values import DistributedValues, Mirrored
@@ -56,6 +59,7 @@ class LiftingScope(StatelessScope):
         self.placeholders = placeholders
         self.updates: set[int] = set()  # variables an optimizer updated (TF: extended.update, cross-replica)
         self.update_depth = 0  # > 0 inside an optimizer's apply
+        self.observe_reads = True  # reads pass through _invocation.on_read (a GradientTape's recording)
 
     def add_update(self, update: tuple) -> None:
         variable, value = update
@@ -72,6 +76,8 @@ class LiftingScope(StatelessScope):
         value = self.state_mapping.get(id(variable))
         if value is None and self.parent is not None:
             value = self.parent.get_current_value(variable)
+            if value is not None:
+                return value  # the parent passed it to on_read
         if value is None and self.device is not None and variable._value is not None:
             value = self.state_mapping[id(variable)] = local_value(variable, self.device)
         if value is None:
@@ -79,8 +85,11 @@ class LiftingScope(StatelessScope):
             if self.placeholders or variable._value is None:
                 # A placeholder (a discovery trace), or a variable created by this very trace (a model
                 # built lazily by its first step) whose value Keras defers: zeros of its shape, never
-                # None, which Keras' own reads (a regularizer of ``model.losses``) cannot take.
-                value = jnp.zeros(variable.shape, variable.dtype)
+                # None, which Keras' own reads (a regularizer of ``model.losses``) cannot take; a
+                # constant, so also inside a nested trace (lax.scan).
+                value = np.zeros(variable.shape, variable.dtype)
+        if value is not None and self.observe_reads:
+            value = _invocation.on_read(self, variable, value)
         return value
 
 
@@ -146,17 +155,69 @@ def check_ownership(strategy, variables: list) -> None:
             raise ownership.ownership_error(strategy, var)
 
 
-def function_key(fn: Callable) -> Any:
-    """Cache key of a replica function: the function, or (function, instance) for a bound method.
+def function_key(fn: Callable, depth: int = 0) -> Any:
+    """Cache key of a replica function: its code, closure, defaults and globals, not the object.
 
-    ``obj.step`` makes a new bound-method object on every access; keying on it
-    would compile every step.
+    TF's multi_worker_with_ctl defines ``step_fn`` inside ``train_step``: every
+    call makes a new function object with the same code, so keying on the
+    object would compile every step (``tf.function`` traces the nested function
+    once, as part of the outer graph).  Two functions share a program when
+    their code, globals, defaults and closure contents are the same objects
+    (Python numbers and strings: equal values; closed-over functions: compared
+    the same way, to depth 3).  ``obj.step`` makes a new bound-method object on
+    every access: the key is (function, instance).  A ``functools.partial``:
+    its function's key and its arguments (identical objects).
     """
     owner = getattr(fn, "__self__", None)
     func = getattr(fn, "__func__", None)
     if owner is not None and func is not None:
-        return ("method", func, id(owner))
-    return fn
+        return ("method", function_key(func, depth), id(owner))
+    if isinstance(fn, functools.partial) and depth < 3:
+        return ("partial", function_key(fn.func, depth + 1), tuple(_content_key(a, depth) for a in fn.args),
+                tuple(sorted((k, _content_key(v, depth)) for k, v in fn.keywords.items())))
+    if not isinstance(fn, types.FunctionType) or depth >= 3:
+        return fn
+    cells = []
+    for cell in fn.__closure__ or ():
+        try:
+            contents = cell.cell_contents
+        except ValueError:  # an empty cell (a name assigned after the function was made)
+            cells.append(_EMPTY_CELL)
+            continue
+        cells.append(_content_key(contents, depth))
+    return ("function", fn.__code__, _Same(fn.__globals__), tuple(cells), _content_key(fn.__defaults__, depth),
+            _content_key(fn.__kwdefaults__, depth))
+
+
+_EMPTY_CELL = object()
+_VALUE_TYPES = (bool, int, float, complex, str, bytes, type(None))
+
+
+def _content_key(x: Any, depth: int) -> Any:
+    if isinstance(x, _VALUE_TYPES):
+        return (type(x), x)
+    if isinstance(x, types.FunctionType):
+        return function_key(x, depth + 1)
+    if type(x) is tuple and depth < 3:  # defaults: a new tuple for every new function object
+        return ("tuple", tuple(_content_key(v, depth + 1) for v in x))
+    if type(x) is dict and depth < 3 and all(isinstance(k, str) for k in x):  # keyword-only defaults
+        return ("dict", tuple(sorted((k, _content_key(v, depth + 1)) for k, v in x.items())))
+    return _Same(x)
+
+
+class _Same:
+    """An object compared by identity; holds it, so its id is not reused while the key lives."""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj: Any):
+        self.obj = obj
+
+    def __hash__(self) -> int:
+        return id(self.obj)
+
+    def __eq__(self, other: Any) -> bool:
+        return isinstance(other, _Same) and other.obj is self.obj
 
 
 def place(value: Any, sharding: Any) -> Any:

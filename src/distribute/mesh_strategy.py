@@ -54,7 +54,17 @@ class MeshExtended(StrategyExtended):
     # -- where a variable lives -----------------------------------------------------
     def place_variable(self, variable: Any) -> Placement:
         """Replicated on every replica (TF's MirroredVariable), or one copy per replica for
-        ``synchronization="on_read"`` (TF's SyncOnReadVariable, ``sync_on_read.py``)."""
+        ``synchronization="on_read"`` (TF's SyncOnReadVariable, ``sync_on_read.py``).
+
+        Raises:
+            ValueError: ``synchronization="none"`` (TF's message).
+        """
+        if variable.synchronization == "none":
+            raise ValueError(
+                "`NONE` variable synchronization mode is not supported with tf.distribute strategy. Please change "
+                f"the `synchronization` for variable: {variable.name} (distribute: create it with synchronization="
+                "'auto', 'on_write' or 'on_read', or outside the strategy's scope)."
+            )
         if variable.synchronization == "on_read" and self.replica_mesh.num_replicas > 1:
             return sync_on_read.SyncOnRead(self.replica_mesh)
         return Replicated(self.replica_mesh)
@@ -111,8 +121,8 @@ class MeshExtended(StrategyExtended):
 
         ``outputs``: arrays the program produces that no later program donates.
         """
-        if self._in_flight is None:
-            return
+        if self._in_flight is None or any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves(outputs)):
+            return  # (traced: a merge_call's reduce inside a step's program dispatches nothing)
         self._in_flight.append(outputs)
         if len(self._in_flight) > _MAX_STEPS_IN_FLIGHT:
             oldest = [a for a in jax.tree_util.tree_leaves(self._in_flight.popleft()) if isinstance(a, jax.Array) and not a.is_deleted()]
@@ -174,6 +184,7 @@ class MeshStrategy(Strategy):
 
         check_run_args(args, kwargs)
         if _context.current_replica_context() is not None:
+            _context.check_cross_replica_call()  # a distribute.function's trace: it runs as Python instead
             raise RuntimeError(
                 "strategy.run was called inside another strategy.run (in replica context). "
                 "Call the inner function directly instead."

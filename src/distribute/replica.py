@@ -97,15 +97,24 @@ class ReplicaContext:
         return jax.tree_util.tree_map(gather, value)
 
     def merge_call(self, merge_fn: Any, args: Any = (), kwargs: Any = None) -> Any:
-        """Not supported: a compiled SPMD program cannot leave replica context mid-step.
+        """Runs ``merge_fn(strategy, *args, **kwargs)`` once in cross-replica context (TF: same).
+
+        Array arguments arrive as PerReplica values of every replica's value; the
+        result returns to every replica, a PerReplica one as that replica's
+        component, a Mirrored one as its value.  Two replicas::
+
+            v = replica_id_in_sync_group + 1.0
+            ctx.merge_call(lambda s, x: s.reduce("SUM", x, axis=None), args=(v,))  # 3.0 on both
+            ctx.merge_call(lambda s, x: x, args=(v,))                               # 1.0 | 2.0
+
+        See ``merge_call.py``.
 
         Raises:
-            NotImplementedError: always; use ``all_reduce`` / ``all_gather`` instead.
+            TypeError: ``merge_fn`` is not callable.
         """
-        raise NotImplementedError(
-            "ReplicaContext.merge_call is not supported: the replica function is one "
-            "compiled SPMD program. Use all_reduce or all_gather for cross-replica values."
-        )
+        from distribute.merge_call import merge_call
+
+        return merge_call(self, merge_fn, args, kwargs)
 
     # -- used by the execution engine and the Keras hooks (the threaded context overrides them) --
     _runs_eagerly = False  # True in an uneven step's replica threads

@@ -40,7 +40,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from distribute.mesh import AXIS
-from distribute import _context, lifting, spmd, sync_on_read, uneven_step
+from distribute import _context, _invocation, lifting, spmd, sync_on_read, uneven_step
 from distribute._keras import KerasVariable, initialize_all_variables
 from distribute.values import Mirrored, PerReplica
 from distribute.lifting import LiftingScope, check_ownership
@@ -214,7 +214,7 @@ def _make_body(strategy, fn, treedef, kinds, statics, read_vars, write_vars, rec
         scope = LiftingScope(mapping, placeholders=True)
         context = spmd.replica_context(strategy, _batch_rows(leaves, kinds))
         with _context.enter_replica(strategy, context), scope:
-            result = fn(*args, **kwargs)
+            result = _invocation.call(fn, args, kwargs)
         record.missing = scope.missing
         record.written = scope.written
         old_vals = [mapping[id(v)] for v in write_vars]

@@ -308,11 +308,10 @@ def _custom_loop(strategy, model, args, x_train, y_train, x_test, y_test) -> dic
     optimizer = model.optimizer
 
     def train_step(x, y):
-        def loss_fn():
+        with distribute.GradientTape() as tape:
             logits = model(x, training=True)
-            return distribute.compute_average_loss(loss_object(y, logits)), logits
-
-        (loss, logits), grads = distribute.compute_gradients(loss_fn, model.trainable_variables, has_aux=True)
+            loss = distribute.compute_average_loss(loss_object(y, logits))
+        grads = tape.gradient(loss, model.trainable_variables)
         optimizer.apply_gradients(zip(grads, model.trainable_variables))
         train_accuracy.update_state(y, logits)
         return loss

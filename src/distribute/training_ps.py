@@ -85,11 +85,10 @@ def ps_custom_loop(
 
     def train_step(iterator):
         def replica_fn(x, y):
-            def loss_fn():
+            with distribute.GradientTape() as tape:
                 logits = model(x, training=True)
-                return distribute.compute_average_loss(loss_object(y, logits)), logits
-
-            (loss, logits), grads = distribute.compute_gradients(loss_fn, model.trainable_variables, has_aux=True)
+                loss = distribute.compute_average_loss(loss_object(y, logits))
+            grads = tape.gradient(loss, model.trainable_variables)
             optimizer.apply_gradients(zip(grads, model.trainable_variables))
             train_loss.update_state(loss)
             train_accuracy.update_state(y, logits)

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from distribute import _context, collectives, lifting, sync_on_read, uneven
+from distribute import _context, _invocation, collectives, lifting, sync_on_read, uneven
 from distribute.values import PerReplica
 
 
@@ -131,7 +131,7 @@ def _replica_function(fn, treedef, kinds, statics, known, write_vars, cuts):
         by_id = {id(v): x for v, x in zip(known, known_in)}
         scope = lifting.LiftingScope(dict(by_id), device=context._device if eager else None)
         with scope:
-            result = fn(*args, **kwargs)
+            result = _invocation.call(fn, args, kwargs)
         written = list(write_vars) + [v for v in scope.written.values() if all(w is not v for w in write_vars)]
         if not eager and (scope.missing or any(id(v) not in by_id for v in written)):
             raise uneven.NeedsEager("a variable the discovery did not see")

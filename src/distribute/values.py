@@ -76,6 +76,20 @@ class DistributedValues:
         body = ",\n".join(f"  {i}: {v!r}" for i, v in enumerate(self.values))
         return f"{type(self).__name__}:{{\n{body}\n}}"
 
+    @property
+    def __jax_array__(self):
+        """Refuses, naming the fix, when a JAX transformation (``jax.jit``) or ``jnp.asarray`` gets this value.
+
+        A ValueError: JAX replaces a TypeError raised here by its own generic message.
+        """
+        raise ValueError(
+            f"A {type(self).__name__} value (one value per replica) was passed to a JAX transformation "
+            "(jax.jit, vmap, grad) or converted to an array. Decorate a step that takes distributed values "
+            "with distribute.function (TF: tf.function) instead of jax.jit: strategy.run inside compiles the "
+            "replica function itself. For the components, use strategy.experimental_local_results(value); "
+            "for one array, strategy.reduce(...) or strategy.gather(...)."
+        )
+
 
 class PerReplica(DistributedValues):
     """One possibly different value per replica (tf.distribute's PerReplica).
@@ -153,6 +167,11 @@ class PerReplica(DistributedValues):
         return self
 
     def _local_values(self) -> tuple:
+        if isinstance(self._array, jax.core.Tracer):
+            # Inside a compiled step's merge_call: every replica's value, gathered (merge_call.py).
+            ext = self._strategy.extended
+            first = ext.replica_mesh.devices.index(ext.replica_mesh.local_devices[0])
+            return tuple(self._array[first + i] for i in range(len(ext.replica_mesh.local_devices)))
         if self._cached_local is None:
             ext = self._strategy.extended
             shards = sorted(self._array.addressable_shards, key=lambda s: s.index[0].start or 0)
@@ -184,7 +203,12 @@ class Mirrored(DistributedValues):
             raise TypeError(f"Mirrored expects a plain array, got {type(value).__name__}")
         self._strategy = strategy or _context.scope_strategy()
         self._value = value if self._strategy is None else None  # kept only until a strategy places it
-        self._array = None if self._strategy is None else self._strategy.extended.replica_mesh.put_replicated(value)
+        if self._strategy is None:
+            self._array = None
+        elif isinstance(value, jax.core.Tracer):
+            self._array = value  # inside a step's program (a merge_call's merge_fn): this replica's value
+        else:
+            self._array = self._strategy.extended.replica_mesh.put_replicated(value)
 
     def _bind(self, strategy: "Strategy") -> "Mirrored":
         """This value (built outside any scope) placed on ``strategy``'s replicas."""

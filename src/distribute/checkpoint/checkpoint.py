@@ -80,6 +80,35 @@ class RestoreStatus:
 
 
 
+class InitializationOnlyStatus:
+    """What ``Checkpoint.restore(None)`` returns: nothing was restored (TF's InitializationOnlyStatus).
+
+    ``assert_consumed``, ``assert_existing_objects_matched`` and
+    ``assert_nontrivial_match`` raise TF's ``AssertionError``; ``expect_partial``
+    and ``initialize_or_restore`` do nothing.
+    """
+
+    _MESSAGE = "No checkpoint specified (save_path=None); nothing is being restored."
+
+    def assert_consumed(self) -> None:
+        raise AssertionError(self._MESSAGE)
+
+    def assert_existing_objects_matched(self) -> None:
+        raise AssertionError(self._MESSAGE)
+
+    def assert_nontrivial_match(self) -> None:
+        raise AssertionError(self._MESSAGE)
+
+    def expect_partial(self) -> "InitializationOnlyStatus":
+        return self
+
+    def initialize_or_restore(self, session: Any = None) -> None:
+        return None
+
+    def __repr__(self) -> str:
+        return "InitializationOnlyStatus()"
+
+
 class SaveCounter(int):
     """The number of ``save`` calls, as an int that also answers TF code's ``save_counter.numpy()``."""
 
@@ -221,8 +250,12 @@ class Checkpoint:
     sync = wait_until_finished  # TF's name for the same wait (tf.train.Checkpoint.sync)
 
     # -- reading ----------------------------------------------------------------------------------
-    def restore(self, save_path: str | os.PathLike) -> RestoreStatus:
+    def restore(self, save_path: str | os.PathLike | None) -> "RestoreStatus | InitializationOnlyStatus":
         """Puts the saved values back into the objects' variables, with their current placement (TF: restore).
+
+        ``save_path=None`` (TF's guide: ``ckpt.restore(manager.latest_checkpoint)``
+        before the first save) restores nothing and returns an
+        :class:`InitializationOnlyStatus`, as TF.
 
         Checks every variable of the built objects first and assigns only when
         all match, so an error leaves every variable as it was.  An object not
@@ -238,6 +271,9 @@ class Checkpoint:
             ValueError: no such checkpoint, or a variable missing, extra, or of
                 another shape, dtype or name than saved; the message names it.
         """
+        if save_path is None:
+            # TF's guide: ckpt.restore(manager.latest_checkpoint) on a fresh start restores nothing.
+            return InitializationOnlyStatus()
         path = os.fspath(save_path)
         location = _storage.checkpoint_path(path)
         strategy = self._strategy()

@@ -99,11 +99,22 @@ def _check_numeric(element: Any) -> None:
 
 def _get_data_adapter(original: Callable) -> Callable:
     def get_data_adapter(x: Any, *args: Any, **kwargs: Any) -> Any:
-        if isinstance(x, _kind.dataset_class()):
-            return DatasetAdapter(x)
+        if isinstance(x, (_kind.dataset_class(), DatasetAdapter)):
+            _refuse_separate_arrays(args, kwargs)
+            return x if isinstance(x, DatasetAdapter) else DatasetAdapter(x)
         return original(x, *args, **kwargs)
 
     return get_data_adapter
+
+
+def _refuse_separate_arrays(args: tuple, kwargs: dict) -> None:
+    """TF's (and Keras') ValueError for ``y`` or ``sample_weight`` given beside a dataset ``x``."""
+    y = kwargs.get("y", args[0] if args else None)
+    sample_weight = kwargs.get("sample_weight", args[1] if len(args) > 1 else None)
+    if y is not None:
+        data_adapters.raise_unsupported_arg("y", "the targets", "distribute.data.Dataset")
+    if sample_weight is not None:
+        data_adapters.raise_unsupported_arg("sample_weights", "the sample weights", "distribute.data.Dataset")
 
 
 GET_DATA_ADAPTER = Patch(

@@ -95,6 +95,9 @@ class SegmentingReplicaContext(UnevenReplicaContext):
     def _gather_tree(self, tree: Any, axis: int) -> Any:
         raise NeedsEager("all_gather's result shape depends on the other replicas' shapes")
 
+    def merge_call(self, merge_fn: Any, args: Any = (), kwargs: Any = None) -> Any:
+        raise NeedsEager("merge_call runs merge_fn once, in cross-replica context, with every replica's values")
+
     def _combine(self, specs: tuple, new: list, old: list) -> list:
         return list(collective_p.bind(*new, *old, kind="combine", specs=specs))
 

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from distribute import _context
+from distribute import _context, collectives
 from distribute.engine.context import UnevenReplicaContext, under_transformation_error
 from distribute.engine.host import HostCollectives
 
@@ -180,6 +180,19 @@ class ThreadedReplicaContext(UnevenReplicaContext):
 
         out = self._meeting.exchange(self._local, (signature, [np.asarray(x) for x in leaves]), checked, what)
         return [jax.device_put(x, self._device) for x in out]
+
+    def _meet(self, leaves: list, combine: Callable[[list], list], what: str) -> Any:
+        """Meets the other replicas with ``leaves`` as they are; ``combine`` gets every replica's and returns
+        one result per replica (``merge_call``)."""
+        if any(isinstance(leaf, jax.core.Tracer) for leaf in leaves):
+            raise under_transformation_error()
+        self._calls += 1
+        return self._meeting.exchange(self._local, leaves, combine, what)
+
+    def merge_call(self, merge_fn: Callable, args: Any = (), kwargs: Any = None) -> Any:
+        from distribute import merge_call
+
+        return merge_call.threaded(self, merge_fn, args, kwargs, collectives.per_replica_from_local)
 
     def _sum_tree(self, tree: Any) -> Any:
         leaves, treedef = jax.tree_util.tree_flatten(tree)

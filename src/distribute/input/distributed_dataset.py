@@ -148,6 +148,7 @@ class DistributedDataset:
     def from_function(cls, strategy: Any, dataset_fn: Callable[[InputContext], Any], options: InputOptions | None) -> DistributedDataset:
         ext = strategy.extended
         num_local = len(ext.replica_mesh.local_devices)
+        _check_function_options(options or InputOptions())
         mode = (options or InputOptions()).experimental_replication_mode
         if mode is InputReplicationMode.PER_REPLICA:
             ids = [ext.replica_mesh.devices.index(d) for d in ext.replica_mesh.local_devices]
@@ -332,3 +333,24 @@ class Optional:
         if not self._has_value:
             raise ValueError("The Optional has no value: the iterator reached the end of the input.")
         return self._value
+
+
+def _check_function_options(options: InputOptions) -> None:
+    """TF's checks of ``distribute_datasets_from_function``'s options (its messages).
+
+    Raises:
+        ValueError: ``experimental_place_dataset_on_device`` with the PER_WORKER mode, or
+            with PER_REPLICA and ``experimental_fetch_to_device`` (default True).
+    """
+    if not options.experimental_place_dataset_on_device:
+        return
+    if options.experimental_replication_mode is not InputReplicationMode.PER_REPLICA:
+        raise ValueError(
+            "When `experimental_place_dataset_on_device` is set for dataset placement, you must also specify "
+            "`PER_REPLICA` for the replication mode"
+        )
+    if options.experimental_fetch_to_device in (None, True):
+        raise ValueError(
+            "`experimental_place_dataset_on_device` can not be set to True when experimental_fetch_to_device is "
+            "True and replication mode is set to `PER_REPLICA`"
+        )

@@ -63,6 +63,7 @@ def compute_gradients(loss_fn: Callable[[], Any], variables: "Sequence[Any] | Ca
         for i, x in zip(differentiable, float_values):
             mapped[i] = x
         scope = LiftingScope({id(v): x for v, x in zip(variables, mapped)}, parent=parent)
+        scope.observe_reads = False  # its values are this differentiation's; a tape saw the reads outside
         with scope:
             out = loss_fn()
         written.update(scope.written)

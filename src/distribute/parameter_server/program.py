@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from distribute import _invocation
 from distribute.keras_support.ps_hooks import KerasVariable, PSTraceScope, initialize_all_variables
 from distribute.lifting import check_ownership
 
@@ -202,7 +203,7 @@ def _step_body(strategy, fn, treedef, kinds, statics, iter_specs, counts, read_v
         leaves = [next(it_iter) if k == ITER else next(arg_iter) if k == ARRAY else next(static_iter) for k in kinds]
         args, kwargs = jax.tree_util.tree_unflatten(treedef, leaves)
         with strategy.scope(), strategy.extended._scheduling(), scope:
-            result = fn(*args, **kwargs)
+            result = _invocation.call(fn, args, kwargs)
         record.missing, record.written = scope.missing, scope.written
         record.counts = [it.count for it in iterators]
         result_leaves, record.out_tree = jax.tree_util.tree_flatten(result, is_leaf=lambda x: isinstance(x, KerasVariable))

@@ -20,7 +20,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from distribute import _context
+from distribute import _context, _invocation
 from distribute.keras_support import patches, ps_hooks
 from distribute.parameter_server import transfer
 from distribute.parameter_server.registry import VariableRegistry, ps_device
@@ -273,7 +273,7 @@ class ParameterServerStrategy(CoordinatedStrategy):
         if not _SCHEDULING.get():
             _LOG.warning(USED_WITHOUT_COORDINATOR_WARNING)
         with _context.enter_replica(self, ReplicaContext(self, in_program=False)):
-            return fn(*tuple(args), **(kwargs or {}))
+            return _invocation.call(fn, tuple(args), kwargs)
 
     def reduce(self, reduce_op: ReduceOp | str, value: Any, axis: int | None = None) -> Any:
         """Combines one worker's replicas (TF: only the local replicas, never across workers).

@@ -1,0 +1,88 @@
+"""The engine's one seam for ``distribute.GradientTape``: each call of a user's replica function.
+
+A tape cannot record JAX operations as TensorFlow's does; it computes
+``tape.gradient`` by running the enclosing function again, as a JAX trace, up to
+that call (``distribute/tape``).  To do that it needs the function, its
+arguments and the variables' values when the call began.  Every engine that
+calls a user's function (``strategy.run``'s SPMD and uneven steps, a
+``ClusterCoordinator``'s scheduled function, ``distribute.function``) calls it
+through :func:`call`; nothing else here is used by the engine.
+
+``LiftingScope`` (``lifting.py``) passes each variable read through
+:func:`on_read`, which changes nothing unless a tape is recording.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import dataclasses
+from typing import Any, Callable
+
+from jax.extend import core as jax_core
+
+from distribute._keras import get_stateless_scope
+
+
+@dataclasses.dataclass(eq=False)
+class Invocation:
+    """One call of a user's function by the engine: what a tape needs to run it again.
+
+    ``scope`` is the Keras stateless scope the call began in (None: none) and
+    ``snapshot`` a copy of its variable values then; ``trace`` is the JAX trace
+    the function's own code runs in (the program being traced, or eager).
+    ``tape_level`` belongs to ``distribute.tape`` (its record of this call's tapes).
+    """
+
+    fn: Callable
+    args: tuple
+    kwargs: dict
+    scope: Any
+    snapshot: dict
+    trace: Any
+    tape_level: Any = None
+
+
+_CURRENT: contextvars.ContextVar[Invocation | None] = contextvars.ContextVar("distribute_invocation", default=None)
+_READ_HOOK: contextvars.ContextVar[Callable | None] = contextvars.ContextVar("distribute_read_hook", default=None)
+
+
+def call(fn: Callable, args: tuple = (), kwargs: dict | None = None) -> Any:
+    """Calls ``fn(*args, **kwargs)`` as one invocation that a ``GradientTape`` inside may run again.
+
+    The engine calls every user replica function (and scheduled or
+    ``distribute.function`` function) through this, inside the scope that lifts
+    its variables.
+    """
+    kwargs = dict(kwargs or {})
+    scope = get_stateless_scope()
+    snapshot = dict(getattr(scope, "state_mapping", None) or {})
+    with jax_core.take_current_trace() as trace:
+        pass
+    invocation = Invocation(fn, tuple(args), kwargs, scope, snapshot, trace)
+    token = _CURRENT.set(invocation)
+    hook_token = _READ_HOOK.set(_READ_HOOK.get())  # an enclosing call's recording tape sees these reads too
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        _READ_HOOK.reset(hook_token)
+        _CURRENT.reset(token)
+
+
+def current() -> Invocation | None:
+    """The innermost invocation running now (None outside every engine call)."""
+    return _CURRENT.get()
+
+
+def set_read_hook(hook: Callable | None) -> contextvars.Token:
+    """Makes ``hook(scope, variable, value) -> value`` see every variable read (the tape's recording)."""
+    return _READ_HOOK.set(hook)
+
+
+def reset_read_hook(token: contextvars.Token) -> None:
+    _READ_HOOK.reset(token)
+
+
+def on_read(scope: Any, variable: Any, value: Any) -> Any:
+    """A variable read in a lifting scope: unchanged unless a tape records (then maybe tagged)."""
+    hook = _READ_HOOK.get()
+    return value if hook is None else hook(scope, variable, value)
