@@ -352,6 +352,35 @@ def test_deferred_restoration_into_an_unbuilt_model(tmp_path, saved_at_four):
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)
 
 
+@pytest.mark.parametrize("first_call", ["distribute.function", "strategy.run", "eager"])
+def test_deferred_restoration_into_a_model_built_by_its_first_call_inside_a_step(tmp_path, saved_at_four, first_call):
+    """TF's custom_training tutorial restores into a new model without a strategy and evaluates it in a
+    tf.function: the model is built by its first call, inside the traced step. The restored values are
+    what the step computes with (they once were lost: the restore's assign was only recorded by the trace)."""
+    import keras
+    from helpers import mirrored
+
+    import distribute
+
+    path, saved, _ = saved_at_four
+    x, _ = data()
+    keras.utils.set_random_seed(9)
+    model = keras.Sequential([keras.layers.Dense(4, activation="relu"), keras.layers.Dense(2)])
+    distribute.Checkpoint(model=model).restore(path)
+    w1, b1, w2, b2 = saved[:4]
+    want = np.maximum(x @ w1 + b1, 0) @ w2 + b2
+    if first_call == "distribute.function":
+        got = distribute.function(lambda inputs: model(inputs))(x)
+    elif first_call == "strategy.run":
+        strategy = mirrored(1)
+        got = strategy.experimental_local_results(strategy.run(lambda inputs: model(inputs), args=(x,)))[0]
+    else:
+        got = model(x)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-6)
+    for a, b in zip(values(model), saved[:4]):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_save_is_asynchronous_and_bad_schemes_are_refused(tmp_path, monkeypatch):
     """save returns while the bytes are still being written; the commit (rename) happens later, in the background."""
     import threading

@@ -122,8 +122,23 @@ def match(path: str, name: str, variables: list, entries: list[dict], values: li
 
 
 def assign(plan: list[tuple[Any, np.ndarray]]) -> None:
+    """Gives each variable its restored value.
+
+    A variable created while a step is traced (a model built by its first call inside
+    ``distribute.function`` or ``strategy.run``) has no value yet: Keras defers it to its
+    initializer when the trace ends. Its initializer then gives the restored value (an
+    ``assign`` there would only be recorded by the trace).
+    """
     for variable, value in plan:
-        variable.assign(placed(variable, value))
+        if variable._value is None and getattr(variable, "_initializer", None) is not None:
+            variable._initializer = functools.partial(_restored, np.asarray(value))
+        else:
+            variable.assign(placed(variable, value))
+
+
+def _restored(value: np.ndarray, shape: Any, dtype: Any = None) -> np.ndarray:
+    """A deferred variable's initializer that gives its restored value."""
+    return value.astype(dtype) if dtype is not None else value
 
 
 def is_unbuilt(obj: Any) -> bool:
