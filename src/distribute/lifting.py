@@ -15,7 +15,8 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
-from distribute import ownership, sync_on_read
+from distribute import ownership
+from distribute.placement import Placement
 from distribute._keras import KerasVariable, StatelessScope
 from distribute.values import DistributedValues, Mirrored
 
@@ -106,15 +107,11 @@ def dynamic_kinds(kinds: list) -> list:
 
 
 def local_value(var: KerasVariable, device: Any) -> Any:
-    """Variable ``var``'s copy on ``device`` (its replicated array's shard there; a SyncOnRead one's own copy)."""
-    value = var._value
-    if sync_on_read.tracked(var):
-        return next(s.data[0] for s in sync_on_read.copies(var).addressable_shards if s.device == device)
-    if isinstance(value, jax.Array):
-        for shard in value.addressable_shards:
-            if shard.device == device:
-                return shard.data
-    return jax.device_put(value, device)
+    """Variable ``var``'s copy on ``device``: its placement's answer (``Placement.local_value``)."""
+    placement = var.__dict__.get("_distribute_placement")
+    if placement is not None:
+        return placement.local_value(var, device)
+    return Placement().local_value(var, device)
 
 
 def array_of(value: Any) -> Any:

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from distribute import collectives, lifting, sync_on_read, uneven
+from distribute import collectives, lifting, placement, uneven
 from distribute._keras import initialize_all_variables
 from distribute.values import PerReplica
 
@@ -36,6 +36,9 @@ def run(strategy, fn, treedef, kinds, dynamic, statics, key, lengths, program) -
     """
     slices = [collectives.local_slices(d, strategy) for d in dynamic]
     known = program.read_vars + program.write_vars
+    mesh = strategy.extended.replica_mesh
+    for v in known:
+        placement.of(v, mesh).prepare_local(v)
     multi_process = jax.process_count() > 1
 
     def body(context: uneven.ThreadedReplicaContext):
@@ -67,7 +70,7 @@ def run(strategy, fn, treedef, kinds, dynamic, statics, key, lengths, program) -
             updates = frozenset(scope.updates)
             out_leaves, out_tree = jax.tree_util.tree_flatten(result, is_leaf=lifting.is_keras_variable)
             out_leaves = [x if lifting.is_python_constant(x) else lifting.as_output(x) for x in out_leaves]
-        combined = sync_on_read.combine_all(context, written, new, old, plain, updates)
+        combined = placement.combine_all(context, written, [placement.of(v, mesh) for v in written], new, old, plain, updates)
         rows = None
         if multi_process and out_leaves:
             rows = context._everyones(jnp.asarray([np.shape(x)[0] if np.ndim(x) else -1 for x in out_leaves], jnp.int32))
@@ -87,11 +90,7 @@ def run(strategy, fn, treedef, kinds, dynamic, statics, key, lengths, program) -
             "every replica must return the same structure (TF: an AssertionError in regroup)."
         )
     for i, var in enumerate(written):
-        if sync_on_read.tracked(var):  # (this replica's copy, the aggregate) from each replica
-            copies, _ = collectives.per_replica_from_local(strategy, [r[1][i][0] for r in results])
-            sync_on_read.store(var, collectives.replicated_from_local(strategy, [r[1][i][1] for r in results]), copies)
-        else:
-            var._value = collectives.replicated_from_local(strategy, [r[1][i] for r in results])
+        placement.of(var, mesh).store_from_replicas(var, strategy, [r[1][i] for r in results])
     outputs = []
     for j in range(len(results[0][3])):
         values = [r[3][j] for r in results]

@@ -40,7 +40,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from distribute.mesh import AXIS
 from distribute import _context, collectives
-from distribute import spmd, uneven
+from distribute import placement, spmd, uneven
 from distribute._keras import DataAdapter, JAXTrainer, copy_thread_state, tree
 from distribute.input.splitting import split_batch, split_counts
 import distribute.keras_support.steps as steps
@@ -260,9 +260,13 @@ class _StepRunner:
     6x slower).  An uneven batch runs as the exact uneven step.
     """
 
-    def __init__(self, model: Any, strategy: Any, build_step: Any, variables: list, per_replica_result: bool = False, multi_step: bool = True):
+    def __init__(self, model: Any, strategy: Any, build_step: Any, parts: list, per_replica_result: bool = False, multi_step: bool = True):
         self.model, self.strategy, self.build_step = model, strategy, build_step
-        self.variables, self.per_replica_result, self.multi_step = variables, per_replica_result, multi_step
+        self.variables = [v for part in parts for v in part]
+        self.per_replica_result, self.multi_step = per_replica_result, multi_step
+        # Each state variable as the step holds it: whole, or split over the replicas (sharded state).
+        mesh = strategy.extended.replica_mesh
+        self.places = [[placement.state_placement(placement.of(v, mesh)) for v in part] for part in parts]
         self.cache: dict = {}
         self.steps: dict = {}
         self.ahead: dict = {}  # key -> (thread, [Compiled or None]): programs compiled ahead (the partial batch)
@@ -280,13 +284,33 @@ class _StepRunner:
 
         def body(state, leaves):
             local = [leaf[0] for leaf in leaves]
-            with _context.enter_replica(strategy, spmd.replica_context(strategy, local[0].shape[0])):
+            context = spmd.replica_context(strategy, local[0].shape[0])
+            state = self._map_state(lambda p, x: p.replica_value(context, x), state)
+            with _context.enter_replica(strategy, context):
                 result, state = step(state, local)
+            state = self._map_state(lambda p, x: p.program_output(context, x), state)
             if self.per_replica_result:
                 result = tree.map_structure(lambda o: o[None], result)
             return result, state
 
         return body
+
+    def _map_state(self, fn: Any, state: Any) -> Any:
+        """``fn(placement, value)`` of each state value (parts of lists); the state itself when nothing is split."""
+        if not self.split:
+            return state
+        return type(state)([fn(p, x) for p, x in zip(places, part)] for places, part in zip(self.places, state))
+
+    @property
+    def split(self) -> bool:
+        """Whether some state variable is split over the replicas (sharded state)."""
+        return any(isinstance(p, placement.Sharded) for part in self.places for p in part)
+
+    def _state_spec(self) -> Any:
+        """The ``shard_map`` spec of the state: one per variable where some are split, else P() for all."""
+        if not self.split:
+            return P()
+        return tuple([p.in_spec() for p in part] for part in self.places)
 
     def _compiled(self, treedef: Any, placed: list, steps: int) -> Any:
         key = (treedef, tuple((p.shape, p.dtype) for p in placed), steps)
@@ -298,8 +322,9 @@ class _StepRunner:
         if key not in self.cache:
             body = self._in_context(self._step(treedef))
             result_spec = P(AXIS) if self.per_replica_result else P()
+            state_spec = self._state_spec()
             if steps == 1:
-                program = spmd.compile_program(self.strategy, body, (P(), P(AXIS)), (result_spec, P()), donate_argnums=(0,))
+                program = spmd.compile_program(self.strategy, body, (state_spec, P(AXIS)), (result_spec, state_spec), donate_argnums=(0,))
             else:
                 def scanned(state, stacked):
                     def scan_body(carry, leaves):
@@ -309,7 +334,7 @@ class _StepRunner:
                     state, results = lax.scan(scan_body, state, stacked, unroll=True)
                     return jax.tree_util.tree_map(lambda r: r[-1], results), state
 
-                program = spmd.compile_program(self.strategy, scanned, (P(), P(None, AXIS)), (result_spec, P()), donate_argnums=(0,))
+                program = spmd.compile_program(self.strategy, scanned, (state_spec, P(None, AXIS)), (result_spec, state_spec), donate_argnums=(0,))
             self.cache[key] = program
         return self.cache[key]
 
@@ -382,7 +407,8 @@ class _StepRunner:
             return
         state_shapes = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding, weak_type=a.aval.weak_type), state)
         body = self._in_context(self._step(treedef))
-        program = spmd.compile_program(self.strategy, body, (P(), P(AXIS)), (P(), P()), donate_argnums=(0,))
+        state_spec = self._state_spec()
+        program = spmd.compile_program(self.strategy, body, (state_spec, P(AXIS)), (P(), state_spec), donate_argnums=(0,))
         out: list = [None]
         keras_state = copy_thread_state()
 
@@ -402,6 +428,9 @@ class _StepRunner:
         strategy, step = self.strategy, self._step(treedef)
         starts = np.concatenate([[0], np.cumsum(counts)])
         state_leaves, state_tree = jax.tree_util.tree_flatten(state)
+        # State split over the replicas (sharded state) is gathered for the step and split again after it.
+        layouts = [x.sharding if isinstance(x, jax.Array) and not x.is_fully_replicated else None for x in state_leaves]
+        state_leaves = [x if layout is None else strategy.extended.replica_mesh.replicate(x) for x, layout in zip(state_leaves, layouts)]
         local_state = [collectives.local_slices(x, strategy) for x in state_leaves]
 
         def body(context):
@@ -416,7 +445,9 @@ class _StepRunner:
 
         results = uneven.run_replicas(strategy, body, counts.tolist())
         new_state = [jax.tree_util.tree_leaves(new) for _, new in results]
-        state = jax.tree_util.tree_unflatten(state_tree, [collectives.replicated_from_local(strategy, list(parts)) for parts in zip(*new_state)])
+        new_leaves = [collectives.replicated_from_local(strategy, list(parts)) for parts in zip(*new_state)]
+        new_leaves = [x if layout is None else placement.placed(x, layout) for x, layout in zip(new_leaves, layouts)]
+        state = jax.tree_util.tree_unflatten(state_tree, new_leaves)
         if self.per_replica_result:
             return tree.map_structure(np.asarray, results[0][0]), state
         return results[0][0], state
@@ -461,9 +492,8 @@ def _make_function(model, strategy, force, kind: str):
     _check_supported(model, f"{kind}_step")
     parts, build = _KINDS[kind]
     variables = _state_variables(model, parts)
-    flat = [v for part in variables for v in part]
     if kind == "predict":
-        runner = _StepRunner(model, strategy, lambda treedef: build(model, strategy, variables, treedef), flat, per_replica_result=True, multi_step=False)
+        runner = _StepRunner(model, strategy, lambda treedef: build(model, strategy, variables, treedef), variables, per_replica_result=True, multi_step=False)
 
         def function(state, iterator):
             outputs, state = runner(state, iterator)
@@ -473,7 +503,7 @@ def _make_function(model, strategy, force, kind: str):
             return tree.map_structure(lambda *p: np.concatenate(p), *pieces), state
 
     else:
-        runner = _StepRunner(model, strategy, lambda treedef: build(model, strategy, variables, treedef), flat)
+        runner = _StepRunner(model, strategy, lambda treedef: build(model, strategy, variables, treedef), variables)
 
         def function(state, iterator):
             outputs, state = runner(state, iterator)
