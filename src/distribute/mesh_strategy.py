@@ -78,11 +78,11 @@ class MeshExtended(StrategyExtended):
             if reference is not None:  # an optimizer slot: split as its variable's update
                 dim = getattr(reference.__dict__.get("_distribute_placement"), "update_dim", None)
                 if dim is not None and tuple(variable.shape) == tuple(reference.shape):
-                    return Sharded(mesh, dim, len(variable.shape))
+                    return Sharded(mesh, dim, len(variable.shape), self.agree_on_shapes)
                 return Replicated(mesh)
             dim = split_dim(variable.shape, mesh.num_replicas) if variable.trainable else None
             if dim is not None:
-                return Sharded(mesh, dim, len(variable.shape)) if self._sharding.splits_variables else Replicated(mesh, update_dim=dim)
+                return Sharded(mesh, dim, len(variable.shape), self.agree_on_shapes) if self._sharding.splits_variables else Replicated(mesh, update_dim=dim)
         return Replicated(mesh)
 
     # -- public, as TF --------------------------------------------------------------

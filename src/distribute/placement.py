@@ -158,22 +158,35 @@ class Sharded(Placement):
     the whole value too (gathered at the step's start); an optimizer updates the
     replica's slice only, and the slice is what the step stores.
 
+    Across workers a cross-replica read is a collective: every worker reads the
+    variable (``v.numpy()``, ``get_weights()``, ``model.save`` on every worker, as
+    TF's multi-worker tutorial saves); the workers first meet through ``meet``, so
+    a worker that does not read it makes the others raise after the strategy's
+    timeout, naming it, instead of waiting for ever.
+
     Args:
         replica_mesh: the strategy's ``ReplicaMesh``.
         dim: the dim it is split along.
         ndim: the variable's rank.
+        meet: ``meet(local, what)``: every worker's ``local`` (a bounded wait;
+            ``MeshExtended.agree_on_shapes``), called before a read spanning workers.
     """
 
     split = True
 
-    def __init__(self, replica_mesh: Any, dim: int, ndim: int):
+    def __init__(self, replica_mesh: Any, dim: int, ndim: int, meet: Any = None):
         self.replica_mesh = replica_mesh
+        self._meet = meet
         self.update_dim = dim
         self.spec = P(*spec_entries(dim, ndim))
         self.layout = NamedSharding(replica_mesh.mesh, self.spec)
         self._whole: tuple | None = None  # (stored value, its replicated copy): prepare_local
 
     def read(self, variable: Any, value: Any) -> Any:
+        if isinstance(value, jax.Array) and not value.is_fully_addressable and self._meet is not None:
+            self._meet([], f"the read of variable '{variable.path}', which is split over every worker's replicas "
+                           "(sharded state): every worker reads it together (call v.numpy(), get_weights(), "
+                           "model.save() on every worker)")
         return self.replica_mesh.whole_copy(value)
 
     def in_spec(self) -> Any:
