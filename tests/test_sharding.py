@@ -405,6 +405,14 @@ def test_keras_save_load_and_backup_and_restore(tmp_path):
 
 
 # -- several workers ---------------------------------------------------------------------------------
+def _loop_optimizer():
+    """The uneven last step runs eagerly across workers; SGD keeps its float rounding within RTOL (Adam's
+    normalization magnifies it on tiny gradients, with or without sharding)."""
+    import keras
+
+    return keras.optimizers.SGD(0.1, momentum=0.9, clipnorm=0.3)
+
+
 def _worker(out_dir: str) -> None:
     os.environ["KERAS_BACKEND"] = "jax"
     import keras
@@ -412,10 +420,11 @@ def _worker(out_dir: str) -> None:
     import distribute
     from distribute.multi_worker import CommunicationOptions
 
-    strategy = distribute.MultiWorkerMirroredStrategy(communication_options=CommunicationOptions(timeout_seconds=60), sharding="full")
+    level = os.environ.get("TEST_SHARDING_LEVEL", "full")
+    strategy = distribute.MultiWorkerMirroredStrategy(communication_options=CommunicationOptions(timeout_seconds=60), sharding=level)
     me = strategy.cluster_resolver.task_id
     model, fit = fit_results(strategy, lambda: keras.optimizers.Adam(0.01), evaluate=True)
-    _, optimizer, loop = custom_loop(strategy, lambda: keras.optimizers.Adam(0.02, clipnorm=0.3), epochs=1)
+    _, optimizer, loop = custom_loop(strategy, _loop_optimizer)
     local = [[s.data.shape for s in v._value.addressable_shards] for v in model.trainable_variables]
     out = {"fit": fit, "loop": loop, "local_shards": local}
     pathlib.Path(out_dir, f"worker{me}.json").write_text(json.dumps(out, default=lambda a: np.asarray(a).tolist()))
@@ -432,14 +441,13 @@ def test_multi_worker_two_by_two_equals_four_devices(tmp_path):
     assert result.returncode == 0, result.output[-6000:]
     workers = [json.loads((tmp_path / f"worker{w}.json").read_text()) for w in range(2)]
     _, fit = fit_results(mirrored(4, "full"), lambda: keras.optimizers.Adam(0.01), evaluate=True)
-    _, _, loop = custom_loop(mirrored(4, "full"), lambda: keras.optimizers.Adam(0.02, clipnorm=0.3), epochs=1)
+    _, _, loop = custom_loop(mirrored(4, "full"), _loop_optimizer)
+    want = json.loads(json.dumps({"fit": fit, "loop": loop}, default=lambda a: np.asarray(a).tolist()))
     for worker in workers:
         assert worker["local_shards"][0] == [[32, 16], [32, 16]]  # each worker holds its 2 replicas' slices
-        assert_same(worker["fit"]["weights"], fit["weights"])
-        assert_same(worker["fit"]["optimizer"], fit["optimizer"])
-        assert_same([worker["fit"]["history"], worker["fit"]["evaluate"], worker["fit"]["predict"]],
-                    [fit["history"], fit["evaluate"], fit["predict"]])
-        assert_same(worker["loop"], loop)
+        for part in ("fit", "loop"):
+            for key in want[part]:
+                assert_same(worker[part][key], want[part][key])
 
 
 if __name__ == "__main__":
