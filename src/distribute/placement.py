@@ -271,10 +271,35 @@ def combine_all(context: Any, variables: Sequence[Any], placements: Sequence[Pla
     return out
 
 
-_WHOLE_STATE = Placement()
+class StateLayout:
+    """How a compiled Keras fit step holds its state (``keras_support/trainer.py``): each variable's stored
+    value, split as stored (``Sharded``) or whole (a SyncOnRead variable's aggregate too: fit keeps
+    totals, not copies).
 
+    Args:
+        parts: the state's variables, one list per part (trainable, non-trainable, ...).
+        replica_mesh: the strategy's ``ReplicaMesh``.
+    """
 
-def state_placement(p: Placement) -> Placement:
-    """How a compiled Keras fit step holds the variable's stored value: split as it is stored
-    (``Sharded``), else whole (a SyncOnRead variable's aggregate too: fit keeps totals, not copies)."""
-    return p if isinstance(p, Sharded) else _WHOLE_STATE
+    _WHOLE = Placement()
+
+    def __init__(self, parts: Sequence[Sequence[Any]], replica_mesh: Any):
+        self.places = [[p if isinstance(p, Sharded) else self._WHOLE for p in (of(v, replica_mesh) for v in part)] for part in parts]
+        self.split = any(isinstance(p, Sharded) for part in self.places for p in part)
+
+    def spec(self) -> Any:
+        """The state's ``shard_map`` spec: one per variable where some are split, else P() for all."""
+        return tuple([p.in_spec() for p in part] for part in self.places) if self.split else P()
+
+    def replica_values(self, context: Any, state: Any) -> Any:
+        """The state (a tuple of lists) as the replica's step reads it: split values gathered."""
+        return self._map(lambda p, x: p.replica_value(context, x), state)
+
+    def program_outputs(self, context: Any, state: Any) -> Any:
+        """The step's new state as the program returns it: split values sliced again."""
+        return self._map(lambda p, x: p.program_output(context, x), state)
+
+    def _map(self, fn: Any, state: Any) -> Any:
+        if not self.split:
+            return state
+        return type(state)([fn(p, x) for p, x in zip(places, part)] for places, part in zip(self.places, state))

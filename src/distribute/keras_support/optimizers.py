@@ -54,7 +54,7 @@ def optimizer_apply(original):
             check_ownership(strategy, [self.iterations])
             sharding = context._sharding
             sliced = sharding is not None and sharding.splits_slots
-            if isinstance(scope, LiftingScope) and context._slices is not None and (sliced or isinstance(self, LossScaleOptimizer)):
+            if isinstance(scope, LiftingScope) and (sliced or isinstance(self, LossScaleOptimizer)):
                 scope.update_depth += 1
                 try:
                     return sharded_update.apply(context, self, list(grads), trainable_variables, scope, slicing=sliced)

@@ -42,7 +42,7 @@ from jax import lax
 from distribute._keras import keras_backend
 from distribute.lifting import LiftingScope
 from distribute.mesh import AXIS
-from distribute.replica import is_varying, sum_gradients
+from distribute.replica import is_varying
 
 # id(variable) -> the shape of this replica's slice, while a sliced update runs.
 _SLICE_SHAPES: contextvars.ContextVar[dict | None] = contextvars.ContextVar("distribute_slice_shapes", default=None)
@@ -131,17 +131,27 @@ def _current(scope: Any, variable: Any) -> Any:
     return variable.value if value is None else value
 
 
-def _reduce(level: Any, slices: Any, grad: Any, dim: int | None) -> Any:
-    """A replica's gradient -> the sum over replicas, or this replica's slice of it along ``dim``."""
-    if grad is None:
-        return None
-    if dim is None:
-        return sum_gradients([grad])[0]
-    if not is_varying(grad):  # summed already (autodiff of a replicated value): this replica's slice
-        return slices.part(grad, dim)
-    if level.scatters_gradients:
-        return lax.psum_scatter(grad, AXIS, scatter_dimension=dim, tiled=True)
-    return slices.part(lax.psum(grad, AXIS), dim)
+def _reduce(context: Any, grads: list, dims: list) -> list:
+    """Each replica's gradients -> their sums over replicas, or this replica's slice of the sum along ``dim``.
+
+    Whole gradients are summed with one ``_sum_gradients`` call (in an uneven
+    step's replica threads too: one meeting).
+    """
+    level, slices = context._sharding, context._slices
+    whole = [i for i, (g, d) in enumerate(zip(grads, dims)) if g is not None and d is None]
+    out = list(grads)
+    for i, summed in zip(whole, context._sum_gradients([grads[i] for i in whole]) if whole else []):
+        out[i] = summed
+    for i, (g, d) in enumerate(zip(grads, dims)):
+        if g is None or d is None:
+            continue
+        if not is_varying(g):  # summed already (autodiff of a replicated value): this replica's slice
+            out[i] = slices.part(g, d)
+        elif level.scatters_gradients:
+            out[i] = lax.psum_scatter(g, AXIS, scatter_dimension=d, tiled=True)
+        else:
+            out[i] = slices.part(lax.psum(g, AXIS), d)
+    return out
 
 
 def build(optimizer: Any, variables: list) -> None:
@@ -179,7 +189,7 @@ def apply(context: Any, optimizer: Any, grads: list, trainable_variables: Any, s
     dims = [update_dim(v) if slicing else None for v in variables]
     slot_dims = [update_dim(v) if slicing else None for v in slot_vars]
     slices = context._slices
-    reduced = [_reduce(level, slices, g, d) for g, d in zip(aligned, dims)]
+    reduced = _reduce(context, aligned, dims)
     values = [_current(scope, v) for v in variables]
     values = [x if d is None else slices.part(x, d) for x, d in zip(values, dims)]
     slot_values = [_current(scope, v) for v in slot_vars]

@@ -264,9 +264,7 @@ class _StepRunner:
         self.model, self.strategy, self.build_step = model, strategy, build_step
         self.variables = [v for part in parts for v in part]
         self.per_replica_result, self.multi_step = per_replica_result, multi_step
-        # Each state variable as the step holds it: whole, or split over the replicas (sharded state).
-        mesh = strategy.extended.replica_mesh
-        self.places = [[placement.state_placement(placement.of(v, mesh)) for v in part] for part in parts]
+        self.layout = placement.StateLayout(parts, strategy.extended.replica_mesh)  # whole, or split (sharded state)
         self.cache: dict = {}
         self.steps: dict = {}
         self.ahead: dict = {}  # key -> (thread, [Compiled or None]): programs compiled ahead (the partial batch)
@@ -285,32 +283,15 @@ class _StepRunner:
         def body(state, leaves):
             local = [leaf[0] for leaf in leaves]
             context = spmd.replica_context(strategy, local[0].shape[0])
-            state = self._map_state(lambda p, x: p.replica_value(context, x), state)
+            state = self.layout.replica_values(context, state)
             with _context.enter_replica(strategy, context):
                 result, state = step(state, local)
-            state = self._map_state(lambda p, x: p.program_output(context, x), state)
+            state = self.layout.program_outputs(context, state)
             if self.per_replica_result:
                 result = tree.map_structure(lambda o: o[None], result)
             return result, state
 
         return body
-
-    def _map_state(self, fn: Any, state: Any) -> Any:
-        """``fn(placement, value)`` of each state value (parts of lists); the state itself when nothing is split."""
-        if not self.split:
-            return state
-        return type(state)([fn(p, x) for p, x in zip(places, part)] for places, part in zip(self.places, state))
-
-    @property
-    def split(self) -> bool:
-        """Whether some state variable is split over the replicas (sharded state)."""
-        return any(isinstance(p, placement.Sharded) for part in self.places for p in part)
-
-    def _state_spec(self) -> Any:
-        """The ``shard_map`` spec of the state: one per variable where some are split, else P() for all."""
-        if not self.split:
-            return P()
-        return tuple([p.in_spec() for p in part] for part in self.places)
 
     def _compiled(self, treedef: Any, placed: list, steps: int) -> Any:
         key = (treedef, tuple((p.shape, p.dtype) for p in placed), steps)
@@ -322,7 +303,7 @@ class _StepRunner:
         if key not in self.cache:
             body = self._in_context(self._step(treedef))
             result_spec = P(AXIS) if self.per_replica_result else P()
-            state_spec = self._state_spec()
+            state_spec = self.layout.spec()
             if steps == 1:
                 program = spmd.compile_program(self.strategy, body, (state_spec, P(AXIS)), (result_spec, state_spec), donate_argnums=(0,))
             else:
@@ -407,7 +388,7 @@ class _StepRunner:
             return
         state_shapes = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding, weak_type=a.aval.weak_type), state)
         body = self._in_context(self._step(treedef))
-        state_spec = self._state_spec()
+        state_spec = self.layout.spec()
         program = spmd.compile_program(self.strategy, body, (state_spec, P(AXIS)), (P(), state_spec), donate_argnums=(0,))
         out: list = [None]
         keras_state = copy_thread_state()
