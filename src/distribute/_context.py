@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 if TYPE_CHECKING:  # pragma: no cover
     from distribute.replica import ReplicaContext
@@ -128,3 +128,27 @@ def outside_scope() -> Iterator[None]:
         yield
     finally:
         _STATE.reset(token)
+
+
+# -- which variable a new variable belongs with (an optimizer slot's model variable) ----------
+_COLOCATE: contextvars.ContextVar = contextvars.ContextVar("distribute_colocate", default=None)
+
+
+def colocated_with() -> Any:
+    """The variable new variables are placed with (an optimizer slot's model variable), or None.
+
+    Set around ``BaseOptimizer.add_variable_from_reference`` (every slot: a mesh
+    strategy splits a slot as its variable's update, a parameter server puts it
+    on its variable's ps) and by ``extended.colocate_vars_with``.
+    """
+    return _COLOCATE.get()
+
+
+@contextlib.contextmanager
+def colocate(variable: Any) -> Iterator[None]:
+    """Inside, new variables are placed with ``variable``."""
+    token = _COLOCATE.set(variable)
+    try:
+        yield
+    finally:
+        _COLOCATE.reset(token)

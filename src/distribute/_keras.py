@@ -42,6 +42,7 @@ from keras.src.layers.layer import Layer  # noqa: E402
 from keras.src.layers.normalization.batch_normalization import BatchNormalization  # noqa: E402
 from keras.src.metrics.metric import Metric  # noqa: E402
 from keras.src.optimizers.base_optimizer import BaseOptimizer  # noqa: E402
+from keras.src.optimizers.loss_scale_optimizer import LossScaleOptimizer  # noqa: E402
 from keras.src.random.seed_generator import SeedGenerator  # noqa: E402
 from keras.src.trainers import data_adapters  # noqa: E402
 from keras.src.trainers.data_adapters import data_adapter_utils  # noqa: E402
@@ -51,7 +52,7 @@ from keras.src.utils import rng_utils  # noqa: E402
 
 __all__ = [
     "BaseOptimizer", "BatchNormalization", "DataAdapter", "JAXTrainer", "JaxVariable", "KerasVariable", "Layer",
-    "Metric", "Patch", "SeedGenerator", "StatelessScope", "Trainer", "copy_thread_state", "data_adapter_utils",
+    "LossScaleOptimizer", "Metric", "Patch", "SeedGenerator", "StatelessScope", "Trainer", "copy_thread_state", "data_adapter_utils",
     "data_adapters", "get_stateless_scope", "global_state", "initialize_all_variables", "install", "installed",
     "keras_backend", "per_thread", "placeholder_value", "rng_utils", "tree",
 ]

@@ -14,6 +14,7 @@ _EXPORTS = {
     "TPUStrategy": "distribute.tpu",
     "ParameterServerStrategy": "distribute.parameter_server.strategy",
     "ValueContext": "distribute.strategy",
+    "Sharding": "distribute.sharding",
     "PreemptionCheckpointHandler": "distribute.checkpoint.preemption",
     "TerminationConfig": "distribute.checkpoint.preemption",
 }

@@ -18,8 +18,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from distribute import _invocation, ownership, sync_on_read
-from distribute.collectives import local_buffers
+from distribute import _invocation, ownership
+from distribute.placement import Placement
 from distribute._keras import KerasVariable, StatelessScope
 from distribute.values import DistributedValues, Mirrored
 
@@ -119,13 +119,11 @@ def dynamic_kinds(kinds: list) -> list:
 
 
 def local_value(var: KerasVariable, device: Any) -> Any:
-    """Variable ``var``'s copy on ``device`` (its replicated array's shard there; a SyncOnRead one's own copy)."""
-    value = var._value
-    if sync_on_read.tracked(var):
-        return local_buffers(sync_on_read.copies(var))[device][0]
-    if isinstance(value, jax.Array) and device in value.sharding.addressable_devices:
-        return local_buffers(value)[device]
-    return jax.device_put(value, device)
+    """Variable ``var``'s copy on ``device``: its placement's answer (``Placement.local_value``)."""
+    placement = var.__dict__.get("_distribute_placement")
+    if placement is not None:
+        return placement.local_value(var, device)
+    return Placement().local_value(var, device)
 
 
 def array_of(value: Any) -> Any:

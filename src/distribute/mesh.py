@@ -9,6 +9,7 @@ Mirrored value or a variable is one replicated array (``replicated_sharding``).
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Sequence
 
 import jax
@@ -124,6 +125,26 @@ class ReplicaMesh:
             return tuple(array for _ in self.local_devices)
         return tuple(by_device[d] for d in self.local_devices)
 
+    def whole_copy(self, array: Any) -> Any:
+        """The whole value of an array split over the replicas, on the device of a cross-replica read.
+
+        A gather onto one device (``local_copy``'s device); across workers, every
+        worker takes part and gets its own copy. A replicated array gives
+        ``local_copy``; anything but a ``jax.Array`` (a tracer, a host value) is
+        returned as it is.
+        """
+        if not isinstance(array, jax.Array) or isinstance(array, jax.core.Tracer) or not self.local_devices:
+            return array
+        if array.is_fully_replicated:
+            return self.local_copy(array)
+        if array.is_fully_addressable:
+            return jax.device_put(array, self._read_device())
+        return self.local_copy(self.replicate(array))
+
+    def replicate(self, array: Any) -> jax.Array:
+        """``array`` (split over the replicas, of any worker) as one replicated array (an all-gather)."""
+        return _replicate_program(self.replicated_sharding)(array)
+
     def _read_device(self) -> jax.Device:
         """This worker's device that cross-replica reads use: ``jax.default_device`` if ours, else the primary."""
         current = jax.config.jax_default_device
@@ -148,6 +169,11 @@ class ReplicaMesh:
 
     def __repr__(self) -> str:
         return f"ReplicaMesh({len(self.devices)} replicas, {len(self.local_devices)} local)"
+
+
+@functools.lru_cache(maxsize=None)
+def _replicate_program(sharding: Any) -> Any:
+    return jax.jit(lambda a: a, out_shardings=sharding)
 
 
 def check_integers_fit(value: Any) -> None:

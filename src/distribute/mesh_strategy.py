@@ -21,7 +21,8 @@ from distribute import _context, collectives, sync_on_read
 from distribute.extended import StrategyExtended, require_cross_replica
 from distribute.input.policy import InputPolicy
 from distribute.mesh import ReplicaMesh
-from distribute.placement import Placement, Replicated
+from distribute.placement import Placement, Replicated, Sharded
+from distribute.sharding import Sharding, split_dim
 from distribute.strategy import Strategy, ValueContext, check_run_args
 from distribute.values import DistributedValues, Mirrored, PerReplica, ReduceOp, is_distributed
 
@@ -38,9 +39,10 @@ class MeshExtended(StrategyExtended):
         programs: the compiled programs of ``run``, by function and input signature (``tracing.py``).
     """
 
-    def __init__(self, strategy: "MeshStrategy", devices: Sequence[jax.Device]):
+    def __init__(self, strategy: "MeshStrategy", devices: Sequence[jax.Device], sharding: Any = None):
         super().__init__(strategy)
         self.replica_mesh = ReplicaMesh(devices)
+        self._sharding = Sharding.from_value(sharding)
         self.input_policy = InputPolicy(self.replica_mesh)
         self.programs: dict = {}
         # XLA:CPU runs every virtual device's share of a program on one small thread
@@ -52,9 +54,21 @@ class MeshExtended(StrategyExtended):
         )
 
     # -- where a variable lives -----------------------------------------------------
+    @property
+    def sharding(self) -> Sharding:
+        """How much of the training state is split over the replicas (the strategy's ``sharding=``; ``sharding.py``)."""
+        return self._sharding
+
     def place_variable(self, variable: Any) -> Placement:
-        """Replicated on every replica (TF's MirroredVariable), or one copy per replica for
-        ``synchronization="on_read"`` (TF's SyncOnReadVariable, ``sync_on_read.py``).
+        """Replicated on every replica (TF's MirroredVariable), one copy per replica for
+        ``synchronization="on_read"`` (TF's SyncOnReadVariable, ``sync_on_read.py``), or
+        split over the replicas (sharded state, by the strategy's ``sharding``).
+
+        With ``sharding`` other than NONE, a trainable variable that
+        ``sharding.split_dim`` splits is updated by slices along that dim: its
+        optimizer slots (``add_variable_from_reference``) are split there, and
+        with FULL the variable itself too. Everything else stays as without
+        sharding.
 
         Raises:
             ValueError: ``synchronization="none"`` (TF's message).
@@ -65,9 +79,20 @@ class MeshExtended(StrategyExtended):
                 f"the `synchronization` for variable: {variable.name} (distribute: create it with synchronization="
                 "'auto', 'on_write' or 'on_read', or outside the strategy's scope)."
             )
-        if variable.synchronization == "on_read" and self.replica_mesh.num_replicas > 1:
-            return sync_on_read.SyncOnRead(self.replica_mesh)
-        return Replicated(self.replica_mesh)
+        mesh = self.replica_mesh
+        if variable.synchronization == "on_read" and mesh.num_replicas > 1:
+            return sync_on_read.SyncOnRead(mesh)
+        if self._sharding.splits_slots:
+            reference = _context.colocated_with()
+            if reference is not None:  # an optimizer slot: split as its variable's update
+                dim = getattr(reference.__dict__.get("_distribute_placement"), "update_dim", None)
+                if dim is not None and tuple(variable.shape) == tuple(reference.shape):
+                    return Sharded(mesh, dim, len(variable.shape), self.agree_on_shapes)
+                return Replicated(mesh)
+            dim = split_dim(variable.shape, mesh.num_replicas) if variable.trainable else None
+            if dim is not None:
+                return Sharded(mesh, dim, len(variable.shape), self.agree_on_shapes) if self._sharding.splits_variables else Replicated(mesh, update_dim=dim)
+        return Replicated(mesh)
 
     # -- public, as TF --------------------------------------------------------------
     @property
@@ -252,8 +277,13 @@ class MeshStrategy(Strategy):
         if isinstance(value, DistributedValues):
             return value.values
         if getattr(value, "_distribute_strategy", None) is self and hasattr(value, "value"):
-            # A MirroredVariable: its copy on each local replica's device (TF: its components).
-            return self._extended.replica_mesh.local_copies(value._value)
+            # A MirroredVariable: its copy on each local replica's device (TF: its components);
+            # a variable split over the replicas (sharded state): its whole value on each.
+            mesh = self._extended.replica_mesh
+            stored = value._value
+            if isinstance(stored, jax.Array) and not stored.is_fully_replicated:
+                stored = mesh.replicate(stored)
+            return mesh.local_copies(stored)
         leaves, treedef = jax.tree_util.tree_flatten(value, is_leaf=is_distributed)
         if any(isinstance(leaf, DistributedValues) for leaf in leaves) or isinstance(value, (list, tuple, dict)):
             # TF: a nested structure gives one copy per local replica, its distributed leaves split.

@@ -42,6 +42,7 @@ from distribute.cluster import _env
 from distribute.input.policy import InputPolicy
 from distribute.keras_support import patches
 from distribute.mesh_strategy import MeshExtended, MeshStrategy
+from distribute.sharding import Sharding
 
 DEFAULT_TIMEOUT_SECONDS = 300.0
 logger = logging.getLogger("distribute")
@@ -270,8 +271,8 @@ class MultiWorkerInputPolicy(InputPolicy):
 class MultiWorkerExtended(MeshExtended):
     """StrategyExtended over all workers' devices; see :class:`MultiWorkerMirroredStrategy`."""
 
-    def __init__(self, strategy: "MultiWorkerMirroredStrategy", devices: Any, runtime: MultiWorkerRuntime):
-        super().__init__(strategy, devices)
+    def __init__(self, strategy: "MultiWorkerMirroredStrategy", devices: Any, runtime: MultiWorkerRuntime, sharding: Any = None):
+        super().__init__(strategy, devices, sharding)
         self.runtime = runtime
         self._cluster = runtime.cluster
         self._exchange = runtime.exchange
@@ -346,10 +347,14 @@ class MultiWorkerMirroredStrategy(MeshStrategy):
             set, else the tasks of the Slurm step this process runs in (as
             ``jax.distributed``), else one local worker (as TF with no TF_CONFIG).
         communication_options: a :class:`CommunicationOptions` (timeouts).
+        sharding: how much training state is split over all workers' replicas:
+            ``distribute.experimental.Sharding.NONE`` (default, TF's behaviour),
+            ``OPTIMIZER_STATE``, ``GRADIENTS`` or ``FULL`` (or their lower-case
+            names); see :class:`~distribute.MirroredStrategy`.
 
     Raises:
         ValueError: a cluster that names no task for this process, or a ps /
-            evaluator task.
+            evaluator task; an unknown ``sharding``.
         RuntimeError: created after JAX started its backend, jax.distributed
             already joined a different cluster, or (on worker 0) the coordination
             service could not listen on worker 0's port (the message names it).
@@ -360,9 +365,11 @@ class MultiWorkerMirroredStrategy(MeshStrategy):
 
     _extended_cls = MultiWorkerExtended
 
-    def __init__(self, cluster_resolver: Any = None, communication_options: CommunicationOptions | None = None):
+    def __init__(self, cluster_resolver: Any = None, communication_options: CommunicationOptions | None = None, *,
+                 sharding: Any = None):
         from distribute.cluster.detect import default_resolver
 
+        sharding = Sharding.from_value(sharding)
         patches.install_multi_worker()
         if communication_options is None:
             communication_options = CommunicationOptions()
@@ -371,7 +378,7 @@ class MultiWorkerMirroredStrategy(MeshStrategy):
         resolver = cluster_resolver if cluster_resolver is not None else default_resolver()
         runtime = MultiWorkerRuntime.start(resolver, communication_options.effective_timeout_seconds)
         devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
-        super().__init__(devices, runtime=runtime)
+        super().__init__(devices, runtime=runtime, sharding=sharding)
         self._communication_options = communication_options
         self._cluster_resolver = resolver
 

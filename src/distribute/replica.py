@@ -118,6 +118,8 @@ class ReplicaContext:
 
     # -- used by the execution engine and the Keras hooks (the threaded context overrides them) --
     _runs_eagerly = False  # True in an uneven step's replica threads
+    _sharding: Any = None  # the SPMD program's: the strategy's sharding.Sharding level (spmd.replica_context)
+    _slices: Any = None  # the SPMD program's: the step's sharding.Slices
 
     def _tracing_replica_id(self, replica_id: Any) -> Any:
         """While tracing a per-replica program: ``replica_id_in_sync_group`` is this traced value."""
@@ -200,6 +202,11 @@ def _varying_axes(x: Any) -> frozenset:
     if vma is None:
         vma = aval.mat.varying
     return frozenset(vma)
+
+
+def is_varying(x: Any) -> bool:
+    """Whether ``x`` may differ between replicas inside the SPMD program (not yet summed, or a slice)."""
+    return AXIS in _varying_axes(x)
 
 
 def to_varying(x: Any) -> Any:

@@ -16,6 +16,7 @@ from typing import Any, Callable
 import jax
 
 from distribute.replica import ReplicaContext
+from distribute.sharding import Sharding, Slices
 
 
 
@@ -43,9 +44,16 @@ class RunOptions:
 
 
 def replica_context(strategy: Any, rows: int | None) -> ReplicaContext:
-    """The SPMD program's replica context; ``rows``: each replica's rows (equal in a full step)."""
+    """The SPMD program's replica context; ``rows``: each replica's rows (equal in a full step).
+
+    It carries the strategy's sharding level and the step's ``sharding.Slices``
+    (sharded state: which gathered values are the gathers of which slices).
+    """
     global_rows = None if rows is None else rows * strategy.num_replicas_in_sync
-    return ReplicaContext(strategy, in_program=True, rows=rows, global_rows=global_rows)
+    context = ReplicaContext(strategy, in_program=True, rows=rows, global_rows=global_rows)
+    context._sharding = getattr(strategy.extended, "sharding", Sharding.NONE)
+    context._slices = Slices()
+    return context
 
 
 def compile_program(strategy: Any, body: Callable, in_specs: Any, out_specs: Any, donate_argnums: tuple = ()) -> Any:

@@ -43,6 +43,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from distribute import collectives
 from distribute.mesh import AXIS
 from distribute.placement import Replicated
 from distribute.values import PerReplica
@@ -77,6 +78,43 @@ class SyncOnRead(Replicated):
             )
         if variable.aggregation == "sum":
             variable._value = variable._value * jnp.asarray(self.replica_mesh.num_replicas, variable._value.dtype)
+
+
+    # -- the engine's questions (placement.py) ---------------------------------------------
+    def in_spec(self) -> Any:
+        """The copies go in sharded: each replica gets its own."""
+        return P(AXIS)
+
+    def out_spec(self) -> Any:
+        """``(copies, aggregate)``."""
+        return (P(AXIS), P())
+
+    def program_input(self, variable: Any) -> Any:
+        return copies(variable)
+
+    def replica_value(self, context: Any, block: Any) -> Any:
+        """The replica's own copy."""
+        return block[0]
+
+    @classmethod
+    def combine(cls, context: Any, variables: Sequence[Any], new: Sequence[Any], old: Sequence[Any],
+                plain: frozenset = frozenset(), updates: frozenset = frozenset()) -> list:
+        """``(this replica's new copy, the cross-replica aggregate)`` of each variable (one all_reduce)."""
+        return list(zip(new, aggregate(context, variables, new)))
+
+    def program_output(self, context: Any, combined: Any) -> Any:
+        return (combined[0][None], combined[1])
+
+    def store(self, variable: Any, output: Any) -> None:
+        store(variable, output[1], output[0])
+
+    def local_value(self, variable: Any, device: Any) -> Any:
+        """The copy of the replica on ``device``."""
+        return collectives.local_buffers(copies(variable))[device][0]
+
+    def store_from_replicas(self, variable: Any, strategy: Any, combined: list) -> None:
+        per_replica, _ = collectives.per_replica_from_local(strategy, [c[0] for c in combined])
+        store(variable, collectives.replicated_from_local(strategy, [c[1] for c in combined]), per_replica)
 
 
 def tracked(var: Any) -> bool:
@@ -128,27 +166,6 @@ def _snapshot_program(sharding: Any):
     return jax.jit(jnp.copy, out_shardings=sharding)
 
 
-# -- the SPMD program (tracing.py) ------------------------------------------------------------
-def in_specs(variables: Sequence[Any]) -> list:
-    """shard_map specs of the variables' program inputs: copies sharded, others replicated."""
-    return [P(AXIS) if tracked(v) else P() for v in variables]
-
-
-def out_specs(variables: Sequence[Any]) -> list:
-    """shard_map specs of the new values: ``(copies, aggregate)`` for tracked variables."""
-    return [(P(AXIS), P()) if tracked(v) else P() for v in variables]
-
-
-def program_input(var: Any, place: Any) -> Any:
-    """The program input of ``var``: its copies, or ``place(var._value)`` (replicated)."""
-    return copies(var) if tracked(var) else place(var._value)
-
-
-def replica_value(var: Any, block: Any) -> Any:
-    """What the replica reads from its input block: its own copy (``block[0]``), or the value."""
-    return block[0] if tracked(var) else block
-
-
 def aggregate(context: Any, variables: Sequence[Any], new: Sequence[Any]) -> list:
     """The cross-replica values of tracked variables from every replica's new copy.
 
@@ -169,23 +186,3 @@ def aggregate(context: Any, variables: Sequence[Any], new: Sequence[Any]) -> lis
         (t / num).astype(t.dtype) if v.aggregation == "mean" else t
         for v, t in zip(variables, totals)
     ]
-
-
-def combine_all(context: Any, variables: Sequence[Any], new: Sequence[Any], old: Sequence[Any], plain: frozenset = frozenset(),
-                updates: frozenset = frozenset()) -> list:
-    """Every assigned variable's result: ``(copy, aggregate)`` for tracked ones, else ``context._combine_all``.
-
-    ``new`` / ``old``: this replica's values (its copy for tracked variables).
-    """
-    new = [jnp.asarray(n, dtype=o.dtype) for n, o in zip(new, old)]
-    is_tracked = [tracked(v) for v in variables]
-    mine = [i for i, t in enumerate(is_tracked) if t]
-    rest = [i for i, t in enumerate(is_tracked) if not t]
-    out: list = [None] * len(variables)
-    combined = context._combine_all([variables[i] for i in rest], [new[i] for i in rest], [old[i] for i in rest], plain, updates) if rest else []
-    for i, value in zip(rest, combined):
-        out[i] = value
-    aggregates = aggregate(context, [variables[i] for i in mine], [new[i] for i in mine])
-    for i, value in zip(mine, aggregates):
-        out[i] = (new[i], value)
-    return out

@@ -20,6 +20,7 @@ import jax
 from distribute.cluster import ClusterResolver, ClusterSpec
 from distribute.keras_support import patches
 from distribute.mesh_strategy import MeshStrategy
+from distribute.sharding import Sharding
 
 
 def _tpu_devices() -> list[jax.Device]:
@@ -80,29 +81,32 @@ class TPUStrategy(MeshStrategy):
 
     Args:
         tpu_cluster_resolver: a :class:`TPUClusterResolver`; default: this host's TPU.
-        experimental_device_assignment: accepted for compatibility (one replica per core).
-        experimental_spmd_xla_partitioning: accepted for compatibility.
+        experimental_device_assignment, experimental_spmd_xla_partitioning:
+            accepted for compatibility (one replica per core).
+        sharding: training state split over the cores
+            (``distribute.experimental.Sharding``; see :class:`~distribute.MirroredStrategy`).
 
     Raises:
-        ValueError: there is no TPU (the message says what JAX sees).
+        ValueError: there is no TPU (the message says what JAX sees); an unknown ``sharding``.
     """
 
     def __init__(self, tpu_cluster_resolver: TPUClusterResolver | None = None, experimental_device_assignment: Any = None,
-                 experimental_spmd_xla_partitioning: bool = False):
+                 experimental_spmd_xla_partitioning: bool = False, *, sharding: Any = None):
+        sharding = Sharding.from_value(sharding)
         resolver = tpu_cluster_resolver if tpu_cluster_resolver is not None else TPUClusterResolver()
-        self._init(list(resolver.devices), resolver)
+        self._init(list(resolver.devices), resolver, sharding)
 
     @classmethod
-    def _for_testing(cls, devices: Sequence[jax.Device]) -> "TPUStrategy":
+    def _for_testing(cls, devices: Sequence[jax.Device], sharding: Any = None) -> "TPUStrategy":
         """Testing hook: a TPUStrategy over ``devices`` (e.g. CPU devices), without the TPU check."""
         self = cls.__new__(cls)
-        self._init(list(devices), None)
+        self._init(list(devices), None, Sharding.from_value(sharding))
         return self
 
-    def _init(self, devices: list[jax.Device], resolver: Any) -> None:
+    def _init(self, devices: list[jax.Device], resolver: Any, sharding: Any = None) -> None:
         patches.install_core()
         devices = sorted(devices, key=lambda d: (d.process_index, d.id))
-        MeshStrategy.__init__(self, devices)
+        MeshStrategy.__init__(self, devices, sharding=sharding)
         self._cluster_resolver = resolver
 
     def experimental_assign_to_logical_device(self, tensor: Any, logical_device_id: int) -> Any:

@@ -13,9 +13,12 @@ signature:
 3. every call: inputs are placed, the compiled program runs, the assigned
    variables get their new values, outputs come back as PerReplica values.
 
-Variables stay replicated, except SyncOnRead ones (``sync_on_read.py``): their
-per-replica copies go in sharded, each replica reads and assigns its own, and
-their cross-replica value is aggregated in the program.  A ``sum``-aggregated variable (a metric's running
+How a variable enters and leaves the program is its placement's answer
+(``placement.py``): a replicated variable goes in whole; a SyncOnRead one
+(``sync_on_read.py``) as its per-replica copies, each replica reading and
+assigning its own, their cross-replica value aggregated in the program; a
+sharded one (``sharding.py``) as its slices, gathered for the replica's code and
+sliced again when stored.  A ``sum``-aggregated variable (a metric's running
 total: TF's sync-on-read SUM) adds every replica's change; any other variable
 whose new value differs between replicas (BatchNorm statistics) is combined by
 its ``aggregation``: ``mean`` averages,
@@ -40,7 +43,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from distribute.mesh import AXIS
-from distribute import _context, _invocation, lifting, spmd, sync_on_read, uneven_step
+from distribute import _context, _invocation, lifting, placement, spmd, uneven_step
 from distribute._keras import KerasVariable, initialize_all_variables
 from distribute.values import Mirrored, PerReplica
 from distribute.lifting import LiftingScope, check_ownership
@@ -138,10 +141,7 @@ def run(strategy: Any, fn: Callable, args: tuple, kwargs: dict) -> Any:
     read_vals, write_vals = _variable_inputs(ext, program.read_vars), _variable_inputs(ext, program.write_vars)
     new_vals, outs, sums = program.compiled(read_vals, write_vals, sharded, replicated)
     for var, value in zip(program.write_vars, new_vals):
-        if sync_on_read.tracked(var):
-            sync_on_read.store(var, value[1], value[0])  # SyncOnRead: (copies, aggregate)
-        else:
-            var._value = value
+        placement.of(var, ext.replica_mesh).store(var, value)
     ext.record_dispatch(outs if outs else new_vals)
     sums, outs = iter(sums), iter(outs)
     results = [
@@ -187,14 +187,16 @@ def _compile(strategy, fn, treedef, kinds, statics, sharded, replicated, compile
 
 
 def _shard_and_jit(strategy, body: Callable, read_vars: list, write_vars: list):
-    # Variables are replicated, except SyncOnRead ones: their copies, one per replica (sync_on_read.py).
-    in_specs = (sync_on_read.in_specs(read_vars), sync_on_read.in_specs(write_vars), P(AXIS), P())
-    out_specs = (sync_on_read.out_specs(write_vars), P(AXIS), P())
+    # Each variable's specs are its placement's (placement.py).
+    mesh = strategy.extended.replica_mesh
+    read_places, write_places = [placement.of(v, mesh) for v in read_vars], [placement.of(v, mesh) for v in write_vars]
+    in_specs = (placement.in_specs(read_places), placement.in_specs(write_places), P(AXIS), P())
+    out_specs = (placement.out_specs(write_places), P(AXIS), P())
     return spmd.compile_program(strategy, body, in_specs, out_specs, donate_argnums=(1,))
 
 
 def _variable_inputs(ext: Any, variables: list) -> list:
-    return [sync_on_read.program_input(v, lambda value: lifting.place(value, ext.replica_mesh.replicated_sharding)) for v in variables]
+    return [placement.of(v, ext.replica_mesh).program_input(v) for v in variables]
 
 
 def _make_body(strategy, fn, treedef, kinds, statics, read_vars, write_vars, record: _TraceRecord):
@@ -209,17 +211,19 @@ def _make_body(strategy, fn, treedef, kinds, statics, read_vars, write_vars, rec
             else:
                 leaves.append(next(static_it))
         args, kwargs = jax.tree_util.tree_unflatten(treedef, leaves)
-        mapping = {id(v): sync_on_read.replica_value(v, x) for v, x in zip(read_vars, read_vals)}
-        mapping.update({id(v): sync_on_read.replica_value(v, x) for v, x in zip(write_vars, write_vals)})
-        scope = LiftingScope(mapping, placeholders=True)
         context = spmd.replica_context(strategy, _batch_rows(leaves, kinds))
+        mesh = strategy.extended.replica_mesh
+        read_places, write_places = [placement.of(v, mesh) for v in read_vars], [placement.of(v, mesh) for v in write_vars]
+        mapping = {id(v): p.replica_value(context, x) for v, p, x in zip(read_vars, read_places, read_vals)}
+        mapping.update({id(v): p.replica_value(context, x) for v, p, x in zip(write_vars, write_places, write_vals)})
+        scope = LiftingScope(mapping, placeholders=True)
         with _context.enter_replica(strategy, context), scope:
             result = _invocation.call(fn, args, kwargs)
         record.missing = scope.missing
         record.written = scope.written
         old_vals = [mapping[id(v)] for v in write_vars]
-        new_vals = sync_on_read.combine_all(context, write_vars, [scope.state_mapping[id(v)] for v in write_vars], old_vals, frozenset(scope.plain), frozenset(scope.updates))
-        new_vals = [(n[0][None], n[1]) if isinstance(n, tuple) else n for n in new_vals]
+        new_vals = placement.combine_all(context, write_vars, write_places, [scope.state_mapping[id(v)] for v in write_vars], old_vals, frozenset(scope.plain), frozenset(scope.updates))
+        new_vals = [p.program_output(context, n) for p, n in zip(write_places, new_vals)]
         out_leaves, record.out_tree = jax.tree_util.tree_flatten(result, is_leaf=lifting.is_keras_variable)
         record.out_kinds, record.out_statics, arrays = lifting.classify_outputs(out_leaves)
         # Small outputs (a step's loss) are also summed over replicas here, in the

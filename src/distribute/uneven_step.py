@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from distribute import _context, _invocation, collectives, lifting, sync_on_read, uneven
+from distribute import _context, _invocation, collectives, lifting, placement, uneven
 from distribute.values import PerReplica
 
 
@@ -34,6 +34,8 @@ def run(strategy, fn, treedef, kinds, dynamic, statics, key, lengths, program) -
     # replica's program cuts its real rows, so that placing the inputs dispatches nothing).
     blocks = [_local_blocks(d, strategy) for d in dynamic]
     known = program.read_vars + program.write_vars
+    for v in known:
+        placement.of(v, mesh).prepare_local(v)  # (a split variable spanning workers: gathered once, here)
     inputs = [
         [*(_strongly_typed(lifting.local_value(v, device)) for v in known), *(b[local] for b in blocks)]
         for local, device in enumerate(mesh.local_devices)
@@ -66,13 +68,10 @@ def _local_blocks(value: Any, strategy: Any) -> list:
 
 
 def _write_back(strategy: Any, written: list, combined: list) -> None:
-    """Sets the written variables' new values (identical on every replica) from each replica's copy."""
+    """Sets the written variables' new values from each replica's ``combine`` result (their placements')."""
+    mesh = strategy.extended.replica_mesh
     for i, var in enumerate(written):
-        if sync_on_read.tracked(var):  # (this replica's copy, the aggregate) from each replica
-            copies, _ = collectives.per_replica_from_local(strategy, [c[i][0] for c in combined])
-            sync_on_read.store(var, collectives.replicated_from_local(strategy, [c[i][1] for c in combined]), copies)
-        else:
-            var._value = collectives.replicated_from_local(strategy, [c[i] for c in combined])
+        placement.of(var, mesh).store_from_replicas(var, strategy, [c[i] for c in combined])
 
 
 def _outputs(strategy: Any, results: list) -> list:
@@ -137,7 +136,8 @@ def _replica_function(fn, treedef, kinds, statics, known, write_vars, cuts):
             raise uneven.NeedsEager("a variable the discovery did not see")
         old = [by_id[id(v)] if id(v) in by_id else lifting.local_value(v, context._device) for v in written]
         new = [scope.state_mapping[id(v)] if id(v) in scope.written else o for v, o in zip(written, old)]
-        combined = sync_on_read.combine_all(context, written, new, old, frozenset(scope.plain), frozenset(scope.updates))
+        places = [placement.of(v, context.strategy.extended.replica_mesh) for v in written]
+        combined = placement.combine_all(context, written, places, new, old, frozenset(scope.plain), frozenset(scope.updates))
         out_leaves, record["out_tree"] = jax.tree_util.tree_flatten(result, is_leaf=lifting.is_keras_variable)
         record["written"] = written
         record["out_kinds"] = [lifting.STATIC_OUT if lifting.is_python_constant(x) else lifting.ARRAY_OUT for x in out_leaves]

@@ -8,6 +8,7 @@ import re
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from distribute import _context
@@ -72,6 +73,27 @@ def host_value(variable: Any) -> np.ndarray:
 
         value = multihost_utils.process_allgather(value, tiled=True)
     return np.array(value, dtype=np.dtype(variable.dtype), copy=True)
+
+
+def saved_value(variable: Any) -> Any:
+    """What a checkpoint stores for ``variable``: ``host_value``, or for a variable split over the
+    replicas (sharded state), a copy of its shards on their devices.
+
+    Orbax writes each shard from its own device (each worker its own shards),
+    so the whole value is never gathered on one device. A copy, as
+    ``host_value``: a training step may donate the stored buffers while the
+    save is written.
+    """
+    value = variable.__dict__.get("_value")
+    if (isinstance(value, jax.Array) and not value.is_fully_replicated and len(value.sharding.device_set) > 1
+            and np.dtype(value.dtype) == np.dtype(variable.dtype)):
+        return _copy_program(value.sharding)(value)
+    return host_value(variable)
+
+
+@functools.lru_cache(maxsize=None)
+def _copy_program(sharding: Any) -> Any:
+    return jax.jit(jnp.copy, out_shardings=sharding)
 
 
 def placed(variable: Any, value: np.ndarray) -> Any:

@@ -226,7 +226,7 @@ class Checkpoint:
         for name, obj in self._objects.items():
             tree[name] = []
             for index, variable in enumerate(_state.variables_of(name, obj)):
-                value = _state.host_value(variable)
+                value = _state.saved_value(variable)
                 empty = value.size == 0  # orbax cannot store zero-size arrays; the record has the shape
                 if not empty:
                     tree[name].append(value)

@@ -6,8 +6,8 @@ of the ``CORE`` ones (each changes nothing outside a ParameterServerStrategy):
 * a Keras variable created in a ps strategy's scope asks the strategy where it
   lives, as every variable does (``extended.place_variable``: registered in
   creation order, so placement is round-robin as TF's); an optimizer slot
-  (``add_variable_from_reference``) is colocated with its model variable, as TF
-  colocates slots (:func:`colocated_with`);
+  (``add_variable_from_reference``, a ``CORE`` row) is colocated with its model
+  variable, as TF colocates slots (``_context.colocated_with``);
 * ``assign_add`` / ``assign_sub`` inside a scheduled function are recorded as
   additive deltas (Keras turns them into ``assign``, which would make a metric's
   total last-writer-wins); a plain ``assign`` stays an overwrite;
@@ -35,11 +35,11 @@ from typing import Any
 
 import jax.numpy as jnp
 
+from distribute import _context
 from distribute._keras import BaseOptimizer, KerasVariable, get_stateless_scope, initialize_all_variables, keras_backend
 from distribute.lifting import LiftingScope
 from distribute.strategy import CoordinatedStrategy
 
-_COLOCATE: contextvars.ContextVar[Any] = contextvars.ContextVar("distribute_ps_colocate", default=None)
 _LOCAL_UPDATES: contextvars.ContextVar[bool] = contextvars.ContextVar("distribute_ps_local_updates", default=False)
 
 __all__ = [
@@ -111,27 +111,8 @@ def additive(original, sign: int):
     return assign_additive
 
 
-def colocated_with() -> Any:
-    """The variable new variables are colocated with (an optimizer slot's model variable), or None."""
-    return _COLOCATE.get()
-
-
-@contextlib.contextmanager
-def colocate(variable: Any) -> Iterator[None]:
-    """Inside, new variables are placed with ``variable`` (``extended.colocate_vars_with``)."""
-    token = _COLOCATE.set(variable)
-    try:
-        yield
-    finally:
-        _COLOCATE.reset(token)
-
-
-def add_variable_from_reference(original):
-    def add_variable_from_reference(self, reference_variable, *args, **kwargs):
-        with colocate(reference_variable):
-            return original(self, reference_variable, *args, **kwargs)
-
-    return add_variable_from_reference
+colocated_with = _context.colocated_with  # an optimizer slot's model variable (patches.py's CORE row)
+colocate = _context.colocate
 
 
 def optimizer_apply(original):

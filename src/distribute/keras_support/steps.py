@@ -29,6 +29,7 @@ import jax.numpy as jnp
 
 from distribute import _context
 from distribute._keras import data_adapter_utils, keras_backend, tree
+from distribute.keras_support import optimizers
 
 
 def _unpack(treedef: Any, local_leaves: list) -> tuple:
@@ -189,7 +190,10 @@ def train_step(model: Any, strategy: Any, variables: list, treedef: Any):
                     scaled = model.optimizer.scale_loss(loss)
             return scaled, (loss, y_pred, non_trainable_, metrics_, output_losses)
 
-        (_, (loss, y_pred, new_non_trainable, new_metrics, output_losses)), grads = jax.value_and_grad(loss_fn, has_aux=True)(trainable)
+        # Each replica's own gradients of its float32 variables (summed or reduce-scattered by the update), as TF
+        # all-reduces them: not autodiff's implicit sum, which under mixed precision adds float16 partials.
+        differentiated = context._prepare_for_gradients(list(trainable))
+        (_, (loss, y_pred, new_non_trainable, new_metrics, output_losses)), grads = jax.value_and_grad(loss_fn, has_aux=True)(differentiated)
         new_metrics = _compiled_metrics(model, new_metrics, x, y, y_pred, sample_weight)
         return loss, new_non_trainable, new_metrics, output_losses, grads
 
@@ -198,9 +202,7 @@ def train_step(model: Any, strategy: Any, variables: list, treedef: Any):
         trainable, non_trainable, opt_vars, metrics_vars = state
         loss, new_non_trainable, new_metrics, output_losses, grads = local(trainable, non_trainable, opt_vars, metrics_vars, leaves)
         logs, new_metrics = _update_metrics(model, context, metrics_vars, new_metrics, loss, output_losses)
-        grads = context._sum_gradients(grads)
-        with _context.leave_replica():  # the hooked optimizer would sum again
-            new_trainable, new_opt = model.optimizer.stateless_apply(opt_vars, grads, trainable)
+        new_trainable, new_opt = optimizers.stateless_apply(context, model.optimizer, opt_vars, grads, trainable)
         state = (
             list(new_trainable),
             context._combine_all(variables[1], new_non_trainable, non_trainable),

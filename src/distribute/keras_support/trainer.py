@@ -41,7 +41,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from distribute.mesh import AXIS
 from distribute import _context, collectives
-from distribute import spmd, uneven
+from distribute import placement, spmd, uneven
 from distribute._keras import JAXTrainer, copy_thread_state, tree
 from distribute.engine.host import HostCollectives
 from distribute.input.splitting import split_batch, split_counts
@@ -100,9 +100,11 @@ class _StepRunner:
     6x slower).  An uneven batch runs as the exact uneven step.
     """
 
-    def __init__(self, model: Any, strategy: Any, build_step: Any, variables: list, per_replica_result: bool = False, multi_step: bool = True):
+    def __init__(self, model: Any, strategy: Any, build_step: Any, parts: list, per_replica_result: bool = False, multi_step: bool = True):
         self.model, self.strategy, self.build_step = model, strategy, build_step
-        self.variables, self.per_replica_result, self.multi_step = variables, per_replica_result, multi_step
+        self.variables = [v for part in parts for v in part]
+        self.per_replica_result, self.multi_step = per_replica_result, multi_step
+        self.layout = placement.StateLayout(parts, strategy.extended.replica_mesh)  # whole, or split (sharded state)
         self.cache: dict = {}
         self.steps: dict = {}
         self.ahead: dict = {}  # key -> (done Event, [Compiled or None]): programs compiled ahead (the partial batch)
@@ -120,8 +122,11 @@ class _StepRunner:
 
         def body(state, leaves):
             local = [leaf[0] for leaf in leaves]
-            with _context.enter_replica(strategy, spmd.replica_context(strategy, local[0].shape[0])):
+            context = spmd.replica_context(strategy, local[0].shape[0])
+            state = self.layout.replica_values(context, state)
+            with _context.enter_replica(strategy, context):
                 result, state = step(state, local)
+            state = self.layout.program_outputs(context, state)
             if self.per_replica_result:
                 result = tree.map_structure(lambda o: o[None], result)
             return result, state
@@ -138,8 +143,9 @@ class _StepRunner:
         if key not in self.cache:
             body = self._in_context(self._step(treedef))
             result_spec = P(AXIS) if self.per_replica_result else P()
+            state_spec = self.layout.spec()
             if steps == 1:
-                program = spmd.compile_program(self.strategy, body, (P(), P(AXIS)), (result_spec, P()), donate_argnums=(0,))
+                program = spmd.compile_program(self.strategy, body, (state_spec, P(AXIS)), (result_spec, state_spec), donate_argnums=(0,))
             else:
                 def scanned(state, stacked):
                     def scan_body(carry, leaves):
@@ -149,7 +155,7 @@ class _StepRunner:
                     state, results = lax.scan(scan_body, state, stacked, unroll=True)
                     return jax.tree_util.tree_map(lambda r: r[-1], results), state
 
-                program = spmd.compile_program(self.strategy, scanned, (P(), P(None, AXIS)), (result_spec, P()), donate_argnums=(0,))
+                program = spmd.compile_program(self.strategy, scanned, (state_spec, P(None, AXIS)), (result_spec, state_spec), donate_argnums=(0,))
             self.cache[key] = program
         return self.cache[key]
 
@@ -225,7 +231,8 @@ class _StepRunner:
             return
         state_shapes = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding, weak_type=a.aval.weak_type), state)
         body = self._in_context(self._step(treedef))
-        program = spmd.compile_program(self.strategy, body, (P(), P(AXIS)), (P(), P()), donate_argnums=(0,))
+        state_spec = self.layout.spec()
+        program = spmd.compile_program(self.strategy, body, (state_spec, P(AXIS)), (P(), state_spec), donate_argnums=(0,))
         out: list = [None]
         keras_state = copy_thread_state()
 
@@ -253,6 +260,9 @@ class _StepRunner:
         first = mesh.devices.index(mesh.local_devices[0])
         starts = np.concatenate([[0], np.cumsum(counts)])
         state_leaves, state_tree = jax.tree_util.tree_flatten(state)
+        # State split over the replicas (sharded state) is gathered for the step and split again after it.
+        layouts = [x.sharding if isinstance(x, jax.Array) and not x.is_fully_replicated else None for x in state_leaves]
+        state_leaves = [x if layout is None else strategy.extended.replica_mesh.replicate(x) for x, layout in zip(state_leaves, layouts)]
         local_state = [collectives.local_slices(x, strategy) for x in state_leaves]
         inputs = [
             [*(s[local] for s in local_state), *(jax.device_put(x[starts[first + local]: starts[first + local + 1]], device) for x in leaves)]
@@ -265,7 +275,9 @@ class _StepRunner:
 
         results = [out for out, _ in uneven.run_step(strategy, function, inputs, counts.tolist(), ("fit", step))]
         new_state = [jax.tree_util.tree_leaves(new) for _, new in results]
-        state = jax.tree_util.tree_unflatten(state_tree, [collectives.replicated_from_local(strategy, list(parts)) for parts in zip(*new_state)])
+        new_leaves = [collectives.replicated_from_local(strategy, list(parts)) for parts in zip(*new_state)]
+        new_leaves = [x if layout is None else placement.placed(x, layout) for x, layout in zip(new_leaves, layouts)]
+        state = jax.tree_util.tree_unflatten(state_tree, new_leaves)
         if self.per_replica_result:
             # Every replica's rows, in order, on every worker (as Keras' predict returns them).
             pieces = [jax.tree_util.tree_leaves(result) for result, _ in results]
@@ -315,9 +327,8 @@ def make_function(model, strategy, force, kind: str):
     _check_supported(model, f"{kind}_step")
     parts, build = _KINDS[kind]
     variables = _state_variables(model, parts)
-    flat = [v for part in variables for v in part]
     if kind == "predict":
-        runner = _StepRunner(model, strategy, lambda treedef: build(model, strategy, variables, treedef), flat, per_replica_result=True, multi_step=False)
+        runner = _StepRunner(model, strategy, lambda treedef: build(model, strategy, variables, treedef), variables, per_replica_result=True, multi_step=False)
 
         def function(state, iterator):
             outputs, state = runner(state, iterator)
@@ -327,7 +338,7 @@ def make_function(model, strategy, force, kind: str):
             return tree.map_structure(lambda *p: np.concatenate(p), *pieces), state
 
     else:
-        runner = _StepRunner(model, strategy, lambda treedef: build(model, strategy, variables, treedef), flat)
+        runner = _StepRunner(model, strategy, lambda treedef: build(model, strategy, variables, treedef), variables)
 
         def function(state, iterator):
             outputs, state = runner(state, iterator)

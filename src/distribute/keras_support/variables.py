@@ -129,7 +129,9 @@ def variable_initialize_layout(original):
 
     def _initialize_layout(self):
         placement = placement_of(self)
-        if placement is not None and self._layout is None:
+        # An optimizer slot comes with its variable's layout (add_variable_from_reference); a slot
+        # split over the replicas (sharded state) is stored as its placement says.
+        if placement is not None and (self._layout is None or placement.split):
             self._layout = placement.layout
         return original(self)
 
