@@ -272,6 +272,23 @@ def test_architecture_page_generated_parts_resolve():
     assert "| [`Strategy.run`]" in table and " |  |" not in table  # every member has a docstring line
 
 
+def test_griffe_extension_gives_each_parameter_of_a_shared_entry_its_own():
+    """``a, b: ...`` and ``experimental_*: ...`` Args entries (TF's habit) become one entry per parameter."""
+    pytest.importorskip("griffe")
+    sys.path.insert(0, str(ROOT / "docs" / "hooks"))
+    try:
+        griffe_rst = importlib.import_module("griffe_rst")
+    finally:
+        sys.path.pop(0)
+    text = ("Compiles.\n\nArgs:\n    func: the function.\n    a, b: shared,\n        on two lines.\n"
+            "    experimental_*: ignored.\n\nReturns:\n    x\n")
+    got = griffe_rst.split_shared_args(text, ["func", "a", "b", "experimental_one", "experimental_two", "other"])
+    assert got == ("Compiles.\n\nArgs:\n    func: the function.\n    a: shared,\n        on two lines.\n"
+                   "    b: shared,\n        on two lines.\n    experimental_one: ignored.\n    experimental_two: ignored.\n"
+                   "\nReturns:\n    x")
+    assert griffe_rst.split_shared_args("Args:\n    x: one.\n", ["x"]) == "Args:\n    x: one."
+
+
 def test_performance_charts_come_from_the_results_files(tmp_path):
     """benchmarks/plot_results.py draws, from the results files, exactly the charts the page shows."""
     pytest.importorskip("matplotlib")
