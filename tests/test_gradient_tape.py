@@ -338,3 +338,40 @@ def test_readme_using_it_loop_as_written():
     for a, b in zip(weights, one_weights):
         np.testing.assert_allclose(a, b, rtol=1e-3, atol=2e-5)
     assert acc == pytest.approx(one_acc, abs=1e-6)
+
+
+def test_a_tape_directly_in_a_function_that_loops_over_a_dataset_is_refused_not_wrong():
+    """A distribute.function that iterates a dataset runs as Python; a tape used directly in it (no
+    strategy.run around the step) would replay the loop (consume the iterator again, repeat earlier steps):
+    a NotImplementedError naming the fix, and the fix gives one device's values."""
+    from distribute.data import Dataset
+
+    keras.utils.set_random_seed(3)
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    optimizer = keras.optimizers.SGD(0.1)
+    data = Dataset.from_tensor_slices((np.arange(8, dtype=np.float32).reshape(4, 2), np.ones((4, 1), np.float32))).batch(2)
+
+    def step_fn(x, y):
+        with distribute.GradientTape() as tape:
+            loss = keras.ops.mean((model(x) - y) ** 2)
+        optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
+        return loss
+
+    @distribute.function
+    def direct(dataset):
+        return [step_fn(x, y) for x, y in dataset]
+
+    @distribute.function
+    def through_run(dataset):
+        return [distribute.get_strategy().run(step_fn, args=(x, y)) for x, y in dataset]
+
+    with pytest.raises(NotImplementedError, match=r"distribute.get_strategy\(\).run\(step_fn"):
+        direct(data)
+    start = [w.copy() for w in model.get_weights()]
+    losses = [float(v) for v in through_run(data)]
+    w, b = start
+    for (x, y), loss in zip([(np.arange(4, dtype=np.float32).reshape(2, 2), 1.0), (np.arange(4, 8, dtype=np.float32).reshape(2, 2), 1.0)], losses):
+        err = x @ w + b - y
+        assert loss == pytest.approx(float(np.mean(err ** 2)), rel=1e-5)
+        w, b = w - 0.1 * (2 * x.T @ err / len(x)), b - 0.1 * 2 * err.mean(axis=0)
+    np.testing.assert_allclose(model.get_weights()[0], w, rtol=1e-5)

@@ -13,8 +13,8 @@ ParameterServerStrategy is tested elsewhere).
 Asserted: the Keras cells (fit on a dataset and on numpy, evaluate) and the custom-loop cells
 (100 steps over the distributed dataset, then 10 more from ``iter``/``next``) give TF's losses and
 weights; the constructor cells give TF's replica counts where the devices exist and the README's
-clear errors where they do not (GPU names on a CPU machine: TF creates the strategy lazily);
-CentralStorageStrategy (README: "not yet") is not there.
+clear errors where they do not (GPU names on a CPU machine: TF creates the strategy lazily), and
+CentralStorageStrategy builds as TF's.
 """
 
 from __future__ import annotations

@@ -8,7 +8,9 @@ tf.GradientTape -> distribute.GradientTape, tf.nn.compute_average_loss /
 scale_regularization_loss -> distribute.*, tf.cast(n, tf.float32) -> float(n), ``input_shape=(1,)``
 -> ``keras.Input((1,))``, ``make_input_fn_iterator(lambda _: dataset_fn())`` (graph mode only) ->
 ``iter(distribute_datasets_from_function(lambda _: dataset_fn()))`` (the same per-replica batches),
-@tf.function dropped. ``all_strategies`` -> the default strategy, OneDeviceStrategy, MirroredStrategy
+@tf.function -> @distribute.function; in ``iteration_inside_func`` without a strategy, ``step_fn(x)`` ->
+``distribute.get_strategy().run(step_fn, args=(x,))`` (a tape directly in a distribute.function that iterates a
+dataset is a NotImplementedError: its gradient would run the loop again). ``all_strategies`` -> the default strategy, OneDeviceStrategy, MirroredStrategy
 over 1 and 2 CPU devices.
 
 ctl_correctness: tf-keras asserts atol=rtol=1e-3 with optimizers of learning rate 0.001 (two epochs
@@ -120,6 +122,7 @@ def iteration_outside_func(initial_weights, dataset, optimizer_fn, iteration_typ
         optimizer = optimizer_fn()
         training_accuracy = keras.metrics.CategoricalAccuracy("training_accuracy", dtype="float32")
 
+        @distribute.function
         def train_step(dist_inputs):
             def step_fn(inputs):
                 samples, labels = inputs
@@ -160,7 +163,7 @@ def iteration_outside_func(initial_weights, dataset, optimizer_fn, iteration_typ
 
 def iteration_inside_func(initial_weights, dataset, optimizer_fn, iteration_type, strategy=None,
                           sync_batchnorm=None):
-    """Helper function to test iterating over data inside a tf.function (here: one Python function)."""
+    """Helper function to test iterating over data inside a tf.function."""
     with MaybeStrategyScope(strategy):
         if strategy and sync_batchnorm:
             model = get_model(sync_batchnorm)
@@ -170,6 +173,7 @@ def iteration_inside_func(initial_weights, dataset, optimizer_fn, iteration_type
         optimizer = optimizer_fn()
         training_accuracy = keras.metrics.CategoricalAccuracy("training_accuracy", dtype="float32")
 
+        @distribute.function
         def train_epoch(dist_input):
             def step_fn(inputs):
                 samples, labels = inputs
@@ -191,7 +195,7 @@ def iteration_inside_func(initial_weights, dataset, optimizer_fn, iteration_type
                         per_replica_losses = strategy.run(step_fn, args=(x,))
                         total_loss += strategy.reduce(distribute.ReduceOp.SUM, per_replica_losses, axis=None)
                     else:
-                        total_loss += step_fn(x)
+                        total_loss += distribute.get_strategy().run(step_fn, args=(x,))
                     num_batches += 1
             else:
                 iterator = iter(dist_input)
@@ -200,7 +204,7 @@ def iteration_inside_func(initial_weights, dataset, optimizer_fn, iteration_type
                         per_replica_losses = strategy.run(step_fn, args=(next(iterator),))
                         total_loss += strategy.reduce(distribute.ReduceOp.SUM, per_replica_losses, axis=None)
                     else:
-                        total_loss += step_fn(next(iterator))
+                        total_loss += distribute.get_strategy().run(step_fn, args=(next(iterator),))
                     num_batches += 1
             return total_loss / float(num_batches)
 

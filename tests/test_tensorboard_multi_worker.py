@@ -131,9 +131,9 @@ def test_a_non_chief_tensorboard_writes_a_temporary_dir_and_deletes_it(tmp_path,
     import keras
 
     import distribute
-    from distribute.keras_support import saving
+    from distribute.keras_support import patches, saving
 
-    saving.install()
+    patches.install_multi_worker()
     monkeypatch.setattr(saving, "_cluster_of", lambda model: _FakeCluster())
     log_dir = tmp_path / "logs"
     log_dir.mkdir()

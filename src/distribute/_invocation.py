@@ -40,25 +40,27 @@ class Invocation:
     snapshot: dict
     trace: Any
     tape_level: Any = None
+    python_loop: bool = False  # a distribute.function run as Python (a loop over a dataset, in cross-replica context)
 
 
 _CURRENT: contextvars.ContextVar[Invocation | None] = contextvars.ContextVar("distribute_invocation", default=None)
 _READ_HOOK: contextvars.ContextVar[Callable | None] = contextvars.ContextVar("distribute_read_hook", default=None)
 
 
-def call(fn: Callable, args: tuple = (), kwargs: dict | None = None) -> Any:
+def call(fn: Callable, args: tuple = (), kwargs: dict | None = None, python_loop: bool = False) -> Any:
     """Calls ``fn(*args, **kwargs)`` as one invocation that a ``GradientTape`` inside may run again.
 
     The engine calls every user replica function (and scheduled or
     ``distribute.function`` function) through this, inside the scope that lifts
-    its variables.
+    its variables. ``python_loop``: ``fn`` is a ``distribute.function`` run as Python,
+    not traced (it iterates a dataset, or runs in cross-replica context).
     """
     kwargs = dict(kwargs or {})
     scope = get_stateless_scope()
     snapshot = dict(getattr(scope, "state_mapping", None) or {})
     with jax_core.take_current_trace() as trace:
         pass
-    invocation = Invocation(fn, tuple(args), kwargs, scope, snapshot, trace)
+    invocation = Invocation(fn, tuple(args), kwargs, scope, snapshot, trace, python_loop=python_loop)
     token = _CURRENT.set(invocation)
     hook_token = _READ_HOOK.set(_READ_HOOK.get())  # an enclosing call's recording tape sees these reads too
     try:

@@ -91,13 +91,13 @@ class Function:
         if _context.current_replica_context() is not None:
             return _invocation.call(self.python_function, args, kwargs)  # part of the enclosing program
         if self._cross_replica or _context.scope_strategy() is not None or _has_distributed(args, kwargs):
-            return _invocation.call(self.python_function, args, kwargs)
+            return _invocation.call(self.python_function, args, kwargs, python_loop=True)
         try:
             with _context.function_trace():
                 return default_strategy().run(self.python_function, args=args, kwargs=kwargs)
         except _context.NeedsCrossReplica:
             self._cross_replica = True
-            return _invocation.call(self.python_function, args, kwargs)
+            return _invocation.call(self.python_function, args, kwargs, python_loop=True)
 
     def __repr__(self) -> str:
         return f"<distribute.function {getattr(self.python_function, '__qualname__', self.python_function)!r}>"

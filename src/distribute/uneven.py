@@ -73,12 +73,18 @@ def run_step(strategy: Any, function: Callable, inputs: Sequence[Sequence[Any]],
     first = mesh.devices.index(mesh.local_devices[0])
     global_rows = None if rows is None else int(sum(rows))
     programs = _programs(strategy, function, inputs, rows, global_rows, cache_key, first)
-    rounds = None
+    rounds, error = None, None
     if programs is not None:
-        per_replica.check_same_collectives(programs, first)
-        rounds = per_replica.aligned_rounds(programs)
+        try:
+            per_replica.check_same_collectives(programs, first)
+        except (RuntimeError, ValueError) as err:
+            if jax.process_count() == 1:
+                raise
+            error = err  # raised after the workers met: every worker makes the same exchanges, even on an error
+        else:
+            rounds = per_replica.aligned_rounds(programs)
     if jax.process_count() > 1:
-        rounds = _agree_across_workers(strategy, programs, rounds)
+        rounds = _agree_across_workers(strategy, programs, rounds, error)
         programs = programs if rounds is not None else None
     if programs is not None:
         host = HostCollectives(strategy, rows, shapes_agreed=True)
@@ -118,18 +124,32 @@ def _programs(strategy, function, inputs, rows, global_rows, cache_key, first) -
     return programs
 
 
-def _agree_across_workers(strategy: Any, programs: list | None, rounds: list | None) -> list | None:
+def _agree_across_workers(strategy: Any, programs: list | None, rounds: list | None,
+                          error: Exception | None = None) -> list | None:
     """Every worker's choice and collectives: the rounds all workers make them in, or None (all run eagerly).
+
+    ``error``: this worker's replicas disagree (``check_same_collectives``); it is
+    raised here, after the exchange, and the other workers raise it too.
 
     Raises:
         RuntimeError: the workers' replicas make different collective calls.
+        ValueError: an all_reduce of values with different shapes (on some worker).
     """
-    local = None if programs is None else {
-        "collectives": [[kind, repr(params), [list(s) for s in shapes]] for kind, params, shapes in programs[0].signature()],
-        "rounds": list(rounds),
-    }
+    if error is not None:
+        local = {"error": [type(error).__name__, str(error)]}
+    else:
+        local = None if programs is None else {
+            "collectives": [[kind, repr(params), [list(s) for s in shapes]] for kind, params, shapes in programs[0].signature()],
+            "rounds": list(rounds),
+        }
     gathered = strategy.extended.agree_on_shapes([local], "the collectives of an uneven step")
     every = [g[0] for g in gathered]
+    failed = [(w, g["error"]) for w, g in enumerate(every) if g is not None and "error" in g]
+    if failed:
+        if error is not None:
+            raise error
+        _, (kind, message) = failed[0]
+        raise (ValueError if kind == "ValueError" else RuntimeError)(message)  # the same error on every worker
     if any(g is None for g in every):
         return None
     if any(g["collectives"] != every[0]["collectives"] for g in every):

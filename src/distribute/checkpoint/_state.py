@@ -152,7 +152,7 @@ def assign(plan: list[tuple[Any, np.ndarray]]) -> None:
     ``assign`` there would only be recorded by the trace).
     """
     for variable, value in plan:
-        if variable._value is None and getattr(variable, "_initializer", None) is not None:
+        if getattr(variable, "_value", 0) is None and getattr(variable, "_initializer", None) is not None:
             variable._initializer = functools.partial(_restored, np.asarray(value))
         else:
             variable.assign(placed(variable, value))

@@ -320,8 +320,9 @@ def check_same_collectives(programs: Sequence[Program], first_replica: int) -> N
                 "same order, whatever its number of rows: do not skip them for an empty replica."
             )
         if any(a != at[0] for a in at):
-            shapes = sorted({tuple(shape for shape, _ in a[2]) for a in at})
-            dtypes = sorted({tuple(dtype for _, dtype in a[2]) for a in at})
+            one_leaf = all(len(a[2]) == 1 for a in at)  # named as the eager step names them: [(0,), (2,)]
+            shapes = sorted({a[2][0][0] if one_leaf else tuple(shape for shape, _ in a[2]) for a in at})
+            dtypes = sorted({str(a[2][0][1]) if one_leaf else tuple(dtype for _, dtype in a[2]) for a in at})
             raise ValueError(
                 f"all_reduce got values of shapes {shapes} (dtypes {dtypes}) on different replicas (collective "
                 f"#{index + 1} of an uneven step); every replica must pass a value of the same shape and dtype "

@@ -25,6 +25,14 @@ _NO_FUNCTION = (
     "distribute.function (TF's tf.function). Here it is used outside any. Wrap the step: "
     "`@distribute.function\\ndef train_step(x, y):\\n    with distribute.GradientTape() as tape: ...`."
 )
+_IN_PYTHON_LOOP = (
+    "distribute.GradientTape was used directly in a distribute.function that runs as Python (it iterates a "
+    "dataset or runs in cross-replica context), not in a step function of its own: tape.gradient runs the "
+    "enclosing step function again, and running that loop again would consume its iterator and repeat its "
+    "earlier steps, which would give wrong gradients. Call the step through a strategy: "
+    "strategy.run(step_fn, args=(x,)) (without a strategy, distribute.get_strategy().run(step_fn, args=(x,))), "
+    "or decorate step_fn itself with @distribute.function."
+)
 _NESTED_TRACE = (
     "distribute.GradientTape was used inside a JAX transformation (jax.jit, jax.vmap, lax.scan, jax.grad, "
     "distribute.compute_gradients' loss function) within the step function; a tape's block and its "
@@ -249,6 +257,8 @@ class GradientTape:
         invocation = _invocation.current()
         if invocation is None:
             raise RuntimeError(_NO_FUNCTION)
+        if invocation.python_loop:
+            raise NotImplementedError(_IN_PYTHON_LOOP)
         level = _level.current_level(invocation)
         self._check_trace(level)
         return level
