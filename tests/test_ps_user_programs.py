@@ -507,6 +507,8 @@ def _ps_value(ps, key):
 
 _INTERRUPTED = textwrap.dedent("""
     import os, signal, sys, threading, time
+    # Ctrl-C as at a terminal (a background job of a non-interactive shell inherits SIGINT ignored).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     import numpy as np
     import distribute, keras
     from distribute.coordinator import ClusterCoordinator

@@ -9,8 +9,13 @@ uneven step).  Prints STEP after every step, forever.
 """
 
 import os
+import signal
 import sys
 import time
+
+# Ctrl-C as at a terminal: a job started in the background of a non-interactive shell (CI) inherits SIGINT
+# ignored, and Python then installs no KeyboardInterrupt handler.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 
 os.environ["KERAS_BACKEND"] = "jax"
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"

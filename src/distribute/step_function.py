@@ -90,14 +90,16 @@ class Function:
             _check_signature(self.python_function, self.input_signature, args, kwargs)
         if _context.current_replica_context() is not None:
             return _invocation.call(self.python_function, args, kwargs)  # part of the enclosing program
+        # Run as Python: a loop a tape inside may not replay (python_loop), unless an engine's own call (a
+        # function ClusterCoordinator.schedule traces) already makes this code one step.
         if self._cross_replica or _context.scope_strategy() is not None or _has_distributed(args, kwargs):
-            return _invocation.call(self.python_function, args, kwargs, python_loop=True)
+            return _invocation.call(self.python_function, args, kwargs, python_loop=_invocation.current() is None)
         try:
             with _context.function_trace():
                 return default_strategy().run(self.python_function, args=args, kwargs=kwargs)
         except _context.NeedsCrossReplica:
             self._cross_replica = True
-            return _invocation.call(self.python_function, args, kwargs, python_loop=True)
+            return _invocation.call(self.python_function, args, kwargs, python_loop=_invocation.current() is None)
 
     def __repr__(self) -> str:
         return f"<distribute.function {getattr(self.python_function, '__qualname__', self.python_function)!r}>"
