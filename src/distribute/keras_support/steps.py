@@ -117,6 +117,7 @@ def _loss(model, trainable, non_trainable, metrics_vars, x, y, loss_weight, trai
     if layer_losses:
         # Every replica adds the layers' losses; each adds its share.
         model._losses_override = [loss / num_replicas for loss in layer_losses]
+    loss_weight = _to_output_rank(loss_weight, y_pred)
     with _capturing_output_losses(model) as output_losses:
         loss, (trainable, non_trainable, metrics_vars) = model.stateless_compute_loss(
             trainable, non_trainable, metrics_vars, x=x, y=y, y_pred=y_pred, sample_weight=loss_weight, training=training
@@ -124,6 +125,21 @@ def _loss(model, trainable, non_trainable, metrics_vars, x, y, loss_weight, trai
     if layer_losses:
         model._losses_override = []
     return loss, y_pred, non_trainable, metrics_vars, output_losses
+
+
+def _to_output_rank(loss_weight: Any, y_pred: Any) -> Any:
+    """Per-row loss weights ``(rows,)`` as ``(rows, 1, ...)``: the rank of the per-example losses of the
+    highest-rank output (a loss reduces the last axis), so they broadcast over its other axes.
+
+    Keras matches a weight to the losses only when their ranks differ by one and a last axis is 1: a
+    ``(rows,)`` weight against per-timestep losses ``(rows, steps)`` (``TimeDistributed`` outputs, a mask
+    that reaches the loss, ``BatchNormalization`` on rank-3 inputs) is a broadcasting error there, where
+    TF's Keras broadcasts it.
+    """
+    if not isinstance(loss_weight, jax.Array) or loss_weight.ndim != 1:
+        return loss_weight
+    rank = max((getattr(p, "ndim", 1) for p in tree.flatten(y_pred)), default=1) - 1
+    return loss_weight.reshape(loss_weight.shape + (1,) * max(rank - 1, 0))
 
 
 def _rows(x: Any) -> int:
