@@ -95,6 +95,7 @@ def _worker(out_dir: str) -> None:
 
 def _agreement_cases(strategy, me: int) -> dict:
     """Coordination-service exchanges per pass, and every replica's rows, for three end-of-data cases."""
+    import distribute
     from distribute.data import Dataset
 
     exchange = strategy.extended.input_policy._exchange
@@ -106,6 +107,8 @@ def _agreement_cases(strategy, me: int) -> dict:
         return gather(key, payload, what)
 
     exchange.all_gather = counted
+    off = distribute.data.Options()
+    off.experimental_distribute.auto_shard_policy = distribute.data.experimental.AutoShardPolicy.OFF
     cases = {
         # known, equal cardinality (DATA): one exchange per pass, uneven last batch (10 = 4 + 4 + 2 rows)
         "known": Dataset.range(10).batch(4),
@@ -113,6 +116,8 @@ def _agreement_cases(strategy, me: int) -> dict:
         "unknown": Dataset.range(12).filter(lambda x: x % 2 == 0).batch(2),
         # cardinalities differ between workers: every step agreed; the shorter workers give no rows
         "different": Dataset.range(8 + 4 * me).batch(4),
+        # AutoShardPolicy.OFF on a batched dataset: every worker reads it all, rebatched in order (TF's input_lib)
+        "off_batched": Dataset.range(12).batch(8).with_options(off),
     }
     out = {}
     try:
@@ -201,6 +206,16 @@ def test_end_of_data_agreed_once_per_pass_when_cardinality_is_known(workers):
         assert [len(step[0]) for step in d["steps"]] == (own[w] + [0] * longest)[:longest]
     assert [d["exchanges"] for d in different] == [1 + longest + 1] * n
 
+
+
+def test_off_sharding_of_a_batched_dataset_rebatches_in_order_as_tf(workers):
+    """TF's input_lib test: range(12).batch(8), AutoShardPolicy.OFF, 2 workers x 1 replica: every worker takes
+    3 steps of 4 rows (the global batch of 8 rebatched to 4 per replica, the last batch of 4 not split again)."""
+    steps = [w["agreement"]["off_batched"]["steps"] for w in workers]
+    if len(workers) == 2:
+        assert steps == [[[[0, 1, 2, 3]], [[4, 5, 6, 7]], [[8, 9, 10, 11]]]] * 2
+    for worker_steps in steps:  # every worker reads every example once, in order, no step empty
+        assert [i for step in worker_steps for part in step for i in part] == list(range(12))
 
 if __name__ == "__main__":
     _worker(sys.argv[1])

@@ -158,11 +158,14 @@ class MultiWorkerInputPolicy(InputPolicy):
         return dataset
 
     def dataset_cardinality(self, dataset: Any) -> int:
-        from distribute.data.options import AutoShardPolicy
+        from distribute.data.options import UNKNOWN_CARDINALITY, AutoShardPolicy
 
         cardinality = dataset.cardinality()
         if self.shard_policy(dataset) == AutoShardPolicy.DATA or cardinality < 0:
             return cardinality
+        info = getattr(dataset, "_batch_info", None)
+        if info is None or not info[1]:
+            return UNKNOWN_CARDINALITY  # OFF rebatches in order: a partial last batch takes fewer steps
         return cardinality * self._cluster.num_workers
 
     def dataset_batches(self, dataset: Any, rows_per_replica: int) -> Iterator[tuple[list, Any, np.ndarray | None]]:
@@ -179,13 +182,22 @@ class MultiWorkerInputPolicy(InputPolicy):
 
         policy = self.shard_policy(dataset)
         num_local, me = len(self.replica_mesh.local_devices), self._cluster.worker_id
-        workers = [me] if policy == AutoShardPolicy.DATA else range(self._cluster.num_workers)
+        if policy != AutoShardPolicy.DATA:
+            # OFF / HINT: every worker reads the whole dataset, rebatched in order as TF's rebatch does: each
+            # global batch in consecutive steps of rows_per_replica rows per local replica, the last step of a
+            # partial batch partial, none empty (range(12).batch(8), 2 workers of 1 replica: 3 steps of 4 rows).
+            step_rows, local = rows_per_replica * num_local, slice(0, num_local)
+            for element in dataset:
+                leaves, treedef = jax.tree_util.tree_flatten(element)
+                for start in range(0, int(leaves[0].shape[0]) if leaves else 0, step_rows):
+                    stacked, lengths = split_batch([x[start:start + step_rows] for x in leaves], num_local, rows_per_replica)
+                    yield list(stacked), treedef, lengths, local
+            return
         for element in dataset:
             leaves, treedef = jax.tree_util.tree_flatten(element)
             stacked, lengths = split_batch(leaves, len(self.replica_mesh.devices), rows_per_replica)
-            for w in workers:
-                part = slice(w * num_local, (w + 1) * num_local)
-                yield [x[part] for x in stacked], treedef, lengths, part
+            part = slice(me * num_local, (me + 1) * num_local)
+            yield [x[part] for x in stacked], treedef, lengths, part
 
     def distributed_batches(self, dataset: Any, rows_per_replica: int) -> Iterator[tuple[list, Any, np.ndarray | None]]:
         """This worker's steps over a globally batched dataset, every worker taking the same number of steps.
