@@ -104,7 +104,17 @@ def run_reduce_gather(strategy):
         return x * 2.0, ctx.all_reduce("SUM", 1.0), ctx.replica_id_in_sync_group
 
     doubled, ones, ids = strategy.run(fn, args=(batch,))
+    plus_one = strategy.experimental_distribute_values_from_function(lambda c: np.float32(c.replica_id_in_sync_group + 1))
+
+    def local(value):
+        return [float(v) for v in strategy.experimental_local_results(value)]
+
     return {
+        # TF's cross_device_ops tests: a PerReplica reduced to distributed destinations is Mirrored on every worker
+        "reduce_to": local(strategy.extended.reduce_to("SUM", plus_one, destinations=plus_one)),
+        "batch_reduce_to": local(strategy.extended.batch_reduce_to("SUM", [(plus_one, plus_one)])[0]),
+        "nccl_reduce": local(distribute.NcclAllReduce().reduce("SUM", plus_one, destinations=plus_one)),
+        "one_device_batch_reduce": local(distribute.ReductionToOneDevice().batch_reduce("MEAN", [(plus_one, plus_one)])[0]),
         "sum_axis0": float(strategy.reduce("SUM", doubled, axis=0)),
         "mean_axis0": float(strategy.reduce("MEAN", doubled, axis=0)),
         "gather": np.asarray(strategy.gather(doubled, axis=0)).tolist(),
@@ -294,6 +304,11 @@ def test_run_reduce_gather_equal_single_process(two_by_two, four_replicas):
         got = worker["run"]
         for key in ("sum_axis0", "mean_axis0", "gather", "all_reduce", "ids_sum"):
             np.testing.assert_allclose(got[key], expected[key], rtol=1e-6)
+        # 4 replicas with 1, 2, 3, 4: SUM 10 and MEAN 2.5 on each local replica (across 2 processes: once JAX's
+        # "does not support cross-host device transfers")
+        assert got["reduce_to"] == got["batch_reduce_to"] == got["nccl_reduce"] == [10.0, 10.0]  # 2 local replicas each
+        assert got["one_device_batch_reduce"] == [2.5, 2.5]
+    assert expected["reduce_to"] == expected["nccl_reduce"] == [10.0] * 4 and expected["one_device_batch_reduce"] == [2.5] * 4
     assert two_by_two[0]["run"]["local"] == expected["local"][:2]
     assert two_by_two[1]["run"]["local"] == expected["local"][2:]
 

@@ -86,8 +86,18 @@ class ReplicaMesh:
         return [self.put_per_replica(value) for value in stacked]
 
     def put_replicated(self, value: Any) -> jax.Array:
-        """Places a host value on every replica (a Mirrored value, a variable)."""
+        """Places a host value on every replica (a Mirrored value, a variable).
+
+        Under several processes an array committed to this worker's devices (a
+        ``reduce`` result: the same on every worker) is placed from its host copy:
+        JAX does not move device buffers between hosts.
+        """
         check_integers_fit(value)
+        if isinstance(value, jax.Array) and not isinstance(value, jax.core.Tracer):
+            if value.sharding == self.replicated_sharding:
+                return value
+            if jax.process_count() > 1 and not value.sharding.device_set >= set(self.replicated_sharding.device_set):
+                value = np.asarray(value)
         return jax.device_put(value, self.replicated_sharding)
 
     def local_copy(self, array: Any) -> Any:
