@@ -115,6 +115,9 @@ def run_reduce_gather(strategy):
         "batch_reduce_to": local(strategy.extended.batch_reduce_to("SUM", [(plus_one, plus_one)])[0]),
         "nccl_reduce": local(distribute.NcclAllReduce().reduce("SUM", plus_one, destinations=plus_one)),
         "one_device_batch_reduce": local(distribute.ReductionToOneDevice().batch_reduce("MEAN", [(plus_one, plus_one)])[0]),
+        # a plain host value in cross-replica context (TF: MEAN gives it back; SUM of it is a ValueError)
+        "host_mean": float(strategy.reduce("MEAN", np.float32(2.0), axis=None)),
+        "host_reduce_to_mean": float(strategy.extended.reduce_to("MEAN", np.float32(2.0), destinations="/cpu:0")),
         "sum_axis0": float(strategy.reduce("SUM", doubled, axis=0)),
         "mean_axis0": float(strategy.reduce("MEAN", doubled, axis=0)),
         "gather": np.asarray(strategy.gather(doubled, axis=0)).tolist(),
@@ -308,6 +311,7 @@ def test_run_reduce_gather_equal_single_process(two_by_two, four_replicas):
         # "does not support cross-host device transfers")
         assert got["reduce_to"] == got["batch_reduce_to"] == got["nccl_reduce"] == [10.0, 10.0]  # 2 local replicas each
         assert got["one_device_batch_reduce"] == [2.5, 2.5]
+        assert got["host_mean"] == got["host_reduce_to_mean"] == 2.0
     assert expected["reduce_to"] == expected["nccl_reduce"] == [10.0] * 4 and expected["one_device_batch_reduce"] == [2.5] * 4
     assert two_by_two[0]["run"]["local"] == expected["local"][:2]
     assert two_by_two[1]["run"]["local"] == expected["local"][2:]
