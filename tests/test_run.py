@@ -282,7 +282,7 @@ def test_reducing_a_steps_own_sum_queues_no_program():
     assert float(total) == 6.0
     assert len(in_flight) == queued and in_flight[-1] is last
     mean = strategy.reduce("MEAN", out, axis=None)  # divides: a program of its own, counted
-    assert float(mean) == 3.0 and in_flight[-1] is mean
+    assert float(mean) == 3.0 and in_flight[-1][0] is mean
     general = distribute.PerReplica._from_array(strategy, out._array)  # no fused sum: reduced by a program
     total = strategy.reduce("SUM", general, axis=None)
-    assert float(total) == 6.0 and in_flight[-1] is total
+    assert float(total) == 6.0 and in_flight[-1][0] is total

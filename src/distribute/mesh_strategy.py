@@ -146,12 +146,14 @@ class MeshExtended(StrategyExtended):
 
         ``outputs``: arrays the program produces that no later program donates.
         """
-        if self._in_flight is None or any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves(outputs)):
+        if self._in_flight is None:
+            return
+        leaves = jax.tree_util.tree_leaves(outputs)
+        if any(isinstance(x, jax.core.Tracer) for x in leaves):
             return  # (traced: a merge_call's reduce inside a step's program dispatches nothing)
-        self._in_flight.append(outputs)
+        self._in_flight.append(leaves)
         if len(self._in_flight) > _MAX_STEPS_IN_FLIGHT:
-            oldest = [a for a in jax.tree_util.tree_leaves(self._in_flight.popleft()) if isinstance(a, jax.Array) and not a.is_deleted()]
-            jax.block_until_ready(oldest)
+            jax.block_until_ready([a for a in self._in_flight.popleft() if isinstance(a, jax.Array) and not a.is_deleted()])
 
     def agree_on_shapes(self, local: list, what: str) -> list:
         """Every worker's ``local`` (a JSON-able list), in worker order; one worker here: ``[local]``."""
@@ -235,6 +237,9 @@ class MeshStrategy(Strategy):
         """
         op = ReduceOp.from_value(reduce_op)
         require_cross_replica("strategy.reduce", "use get_replica_context().all_reduce(...)")
+        if op is ReduceOp.SUM and axis is None and type(value) is PerReplica and value._sum is not None and value._strategy is self:
+            # A step's output its program summed already (the loss every loop reduces): no program.
+            return collectives.reduce_per_replica(op, value, None)
         check_reduce_axis(axis)
         value = self._bound(sync_on_read_as_per_replica(value), "reduce")
         result = self._on_read_device(jax.tree_util.tree_map(lambda v: self._reduce_one(op, v, axis), value, is_leaf=is_distributed))

@@ -58,6 +58,8 @@ class _Program:
     out_kinds: list = dataclasses.field(default_factory=list)
     out_statics: list = dataclasses.field(default_factory=list)
     per_replica: bool = False  # runs eagerly per replica (uneven.py): fn cannot be one SPMD program
+    read_places: list = dataclasses.field(default_factory=list)  # each variable's placement, asked once
+    write_places: list = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -74,19 +76,16 @@ def run(strategy: Any, fn: Callable, args: tuple, kwargs: dict) -> Any:
     ext = strategy.extended
     leaves, treedef = jax.tree_util.tree_flatten((args, kwargs), is_leaf=lifting.is_input_leaf)
     kinds, dynamic, statics, key_parts = [], [], [], []
+    sharded, replicated = [], []  # the program's per-replica and replicated array inputs
     lengths = None
     for leaf in leaves:
         if isinstance(leaf, PerReplica):
-            if leaf._strategy is None:  # built outside any scope: placed by the strategy it is given to, as TF
-                leaf = leaf._bind(strategy)
             if leaf._strategy is not strategy:
-                raise ValueError(
-                    f"strategy.run got a PerReplica value of {leaf._strategy!r}, not of "
-                    f"{strategy!r}; distribute the input with this strategy."
-                )
+                leaf = _bound(strategy, leaf)
             array = leaf._array
             kinds.append(lifting.SHARDED)
             dynamic.append(leaf)
+            sharded.append(array)
             key_parts.append((lifting.SHARDED, array.shape, array.dtype))
             if leaf._lengths is not None:
                 if lengths is not None and not np.array_equal(lengths, leaf._lengths):
@@ -101,6 +100,7 @@ def run(strategy: Any, fn: Callable, args: tuple, kwargs: dict) -> Any:
             array = leaf._array if isinstance(leaf, Mirrored) else leaf
             kinds.append(lifting.REPLICATED)
             dynamic.append(leaf)
+            replicated.append(array)
             key_parts.append((lifting.REPLICATED, array.shape, array.dtype))
         else:
             kinds.append(lifting.STATIC)
@@ -109,8 +109,8 @@ def run(strategy: Any, fn: Callable, args: tuple, kwargs: dict) -> Any:
     key = (lifting.function_key(fn), treedef, tuple(key_parts))
     if lengths is not None:
         return _run_uneven(strategy, fn, treedef, kinds, dynamic, statics, key, lengths)
-    sharded = [d._array for d, k in zip(dynamic, lifting.dynamic_kinds(kinds)) if k == lifting.SHARDED]
-    replicated = [lifting.place(lifting.array_of(d), ext.replica_mesh.replicated_sharding) for d, k in zip(dynamic, lifting.dynamic_kinds(kinds)) if k == lifting.REPLICATED]
+    if replicated:
+        replicated = [lifting.place(a, ext.replica_mesh.replicated_sharding) for a in replicated]
 
     program = ext.programs.get(key)
     if program is None or (program.compiled is None and not program.per_replica):
@@ -138,10 +138,11 @@ def run(strategy: Any, fn: Callable, args: tuple, kwargs: dict) -> Any:
         ext.programs[key] = program
     if program.per_replica:
         return _run_uneven(strategy, fn, treedef, kinds, dynamic, statics, key, None)
-    read_vals, write_vals = _variable_inputs(ext, program.read_vars), _variable_inputs(ext, program.write_vars)
+    read_vals = [p.program_input(v) for v, p in zip(program.read_vars, program.read_places)]
+    write_vals = [p.program_input(v) for v, p in zip(program.write_vars, program.write_places)]
     new_vals, outs, sums = program.compiled(read_vals, write_vals, sharded, replicated)
-    for var, value in zip(program.write_vars, new_vals):
-        placement.of(var, ext.replica_mesh).store(var, value)
+    for var, p, value in zip(program.write_vars, program.write_places, new_vals):
+        p.store(var, value)
     ext.record_dispatch(outs if outs else new_vals)
     sums, outs = iter(sums), iter(outs)
     results = [
@@ -149,6 +150,18 @@ def run(strategy: Any, fn: Callable, args: tuple, kwargs: dict) -> Any:
         for kind, static in zip(program.out_kinds, program.out_statics)
     ]
     return jax.tree_util.tree_unflatten(program.out_tree, results)
+
+
+def _bound(strategy: Any, leaf: PerReplica) -> PerReplica:
+    """A PerReplica argument as ``strategy``'s: one built outside any scope is placed by it, as TF."""
+    if leaf._strategy is None:
+        leaf = leaf._bind(strategy)
+    if leaf._strategy is not strategy:
+        raise ValueError(
+            f"strategy.run got a PerReplica value of {leaf._strategy!r}, not of "
+            f"{strategy!r}; distribute the input with this strategy."
+        )
+    return leaf
 
 
 def _compile(strategy, fn, treedef, kinds, statics, sharded, replicated, compile_program: bool = True) -> _Program:
@@ -175,9 +188,12 @@ def _compile(strategy, fn, treedef, kinds, statics, sharded, replicated, compile
             known, written = new_known, {**written, **record.written}
             continue
         check_ownership(strategy, list(known.values()))
+        mesh = strategy.extended.replica_mesh
         return _Program(
             read_vars=read_vars,
             write_vars=write_vars,
+            read_places=[placement.of(v, mesh) for v in read_vars],
+            write_places=[placement.of(v, mesh) for v in write_vars],
             compiled=traced.lower().compile() if compile_program else None,
             out_tree=record.out_tree,
             out_kinds=record.out_kinds,
