@@ -158,17 +158,59 @@ def test_ps_failure_is_raised_by_join_and_cancels(cluster, ray_instance):
         _join_within(coordinator)
 
 
-def test_a_rerun_closure_updates_each_ps_once():
-    # A worker killed between its pushes to ps 0 and ps 1: the closure re-runs on another worker and
-    # pushes to both again. ps 0 skips the repeat, ps 1 applies it: each variable counts the step once.
+def _servers(n=2):
     from distribute.parameter_server.actors import ParameterServer
 
-    servers = [ParameterServer(0), ParameterServer(1)]
+    servers = [ParameterServer(j) for j in range(n)]
     for server in servers:
         server.create({7: np.zeros((2,), np.float32)})
-    servers[0].update(41, [], [(7, np.ones(2))], [])  # the first attempt reached ps 0 only
-    for server in servers:  # the re-run reaches both
-        server.update(41, [], [(7, np.ones(2))], [])
-    servers[1].update(42, [], [(7, np.full(2, 3.0))], [(7, np.full(2, 5.0))])  # sets come after deltas
-    assert [s.read((7,))[0].tolist() for s in servers] == [[1.0, 1.0], [5.0, 5.0]]
-    assert [s.num_updates() for s in servers] == [1, 2]
+    return servers
+
+
+def _read(servers):
+    return [s.read((7,))[0].tolist() for s in servers]
+
+
+def _push(servers, closure_id, attempt, deltas, commit_on=None):
+    """The worker's two phases (worker_actor._stage): stage everywhere, then commit the attempt that stands."""
+    applied = {s.stage(closure_id, attempt, [], [(7, np.asarray(d, np.float32))], []) for s, d in zip(servers, deltas)}
+    applied.discard(None)
+    assert len(applied) <= 1
+    chosen = applied.pop() if applied else attempt
+    for s in servers if commit_on is None else commit_on:
+        s.commit(closure_id, chosen)
+
+
+def test_a_worker_killed_between_its_commits_has_every_ps_apply_the_same_run():
+    # The first run (its batch gives deltas 1 and 2) is staged on both ps and committed on ps 0 only, when its
+    # worker dies. The re-run (another batch: deltas 10 and 20) finds run 1 applied on ps 0 and commits run 1 on
+    # both: ps 1 applies its part of run 1, not of run 2, and nothing is applied twice.
+    servers = _servers()
+    _push(servers, 41, attempt=1, deltas=[[1, 1], [2, 2]], commit_on=servers[:1])
+    assert _read(servers) == [[1.0, 1.0], [0.0, 0.0]]
+    _push(servers, 41, attempt=2, deltas=[[10, 10], [20, 20]])
+    assert _read(servers) == [[1.0, 1.0], [2.0, 2.0]]
+    _push(servers, 41, attempt=3, deltas=[[100, 100], [200, 200]])  # a third run changes nothing either
+    assert _read(servers) == [[1.0, 1.0], [2.0, 2.0]]
+    assert [s.num_updates() for s in servers] == [1, 1]
+    assert all(not s._staged for s in servers)
+
+
+def test_a_worker_killed_while_staging_leaves_nothing_applied():
+    servers = _servers()
+    servers[0].stage(42, 1, [], [(7, np.ones(2, np.float32))], [])  # run 1 reached ps 0's stage only
+    _push(servers, 42, attempt=2, deltas=[[5, 5], [6, 6]])
+    assert _read(servers) == [[5.0, 5.0], [6.0, 6.0]]
+    servers[1].update(43, [], [(7, np.full(2, 3.0))], [(7, np.full(2, 9.0))])  # one ps: one phase; sets after deltas
+    servers[1].update(43, [], [(7, np.full(2, 3.0))], [])  # a repeat is skipped
+    assert _read(servers) == [[5.0, 5.0], [9.0, 9.0]]
+
+
+def test_a_rerun_that_reaches_more_ps_applies_nothing_where_the_first_run_sent_nothing():
+    # Run 1's batch touched ps 0 only (one phase); the re-run's batch touches both: ps 1 gets no part of step 44.
+    servers = _servers()
+    servers[0].update(44, [], [(7, np.ones(2, np.float32))], [])
+    _push(servers, 44, attempt=2, deltas=[[5, 5], [6, 6]])
+    assert _read(servers) == [[1.0, 1.0], [0.0, 0.0]]
+    _push(servers, 45, attempt=7, deltas=[[1, 1], [1, 1]])  # and the next step is applied as usual
+    assert _read(servers) == [[2.0, 2.0], [1.0, 1.0]]

@@ -14,13 +14,16 @@ the exported apply program on the ps's *current* values and optimizer state;
 writer wins).
 
 Every update carries the id of its closure, and a ps applies each closure's
-update at most once.  A worker that dies while pushing may have reached some ps
-and not others; the closure runs again elsewhere (TF's at-least-once), and the
-ps that already have its update skip the repeat.  So every variable takes each
-scheduled step exactly once, where TF can apply a re-run step twice to some
-variables and once to others.
+update at most once.  A push that spans several ps goes in two phases: every ps
+keeps its part (``stage``), then every ps applies it (``commit``).  A worker that
+dies while pushing has reached some ps and not others; the closure runs again
+elsewhere (TF's at-least-once) on another batch.  Staged but uncommitted parts are
+dropped, and if some ps had already applied the first run, the re-run commits
+that run's staged parts everywhere instead of its own.  So every scheduled step
+is applied exactly once, all its variables from the same run (the same batch),
+where TF can apply a re-run step twice to some variables and once to others.
 
-One exchange with each ps per step.  Each ps counts its mutations (``version``:
+One exchange with each ps per step (two where the update spans several ps).  Each ps counts its mutations (``version``:
 applied updates and coordinator writes).  A push asks its ps for the values its step read
 (``read_back``), taken right after the update; the worker keeps them and its next
 step reads them instead of pulling, if they are at least as new as every version

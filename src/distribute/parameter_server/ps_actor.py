@@ -17,6 +17,11 @@ from distribute.parameter_server.row_plan import local_rows
 # A re-run closure reaches the ps within seconds of the failure; remembering the last
 # 2**16 applied closures (about 4 MB) covers that with a wide margin.
 _REMEMBERED_CLOSURES = 1 << 16
+# Staged updates are committed right after their stage (the same push) or dropped
+# when their closure commits; only the attempts of dead workers stay, a few at most.
+_STAGED_CLOSURES = 256
+# The attempt of an update sent to one ps only (``update``): nothing to keep in step with.
+SINGLE_ATTEMPT = 0
 
 
 class ParameterServer(_Served):
@@ -30,7 +35,7 @@ class ParameterServer(_Served):
     sent after the lock is released).
     """
 
-    REQUESTS = ("read", "rows", "update")
+    REQUESTS = ("read", "rows", "update", "stage", "commit")
 
     def __init__(self, task_id: int) -> None:
         self._task_id = task_id
@@ -41,8 +46,8 @@ class ParameterServer(_Served):
         self._num_updates = 0
         self._version = 0  # mutations so far (applied updates, creates)
         self._num_reads = 0
-        self._applied: set[int] = set()
-        self._applied_order: collections.deque[int] = collections.deque()
+        self._applied: collections.OrderedDict[int, int] = collections.OrderedDict()  # closure id -> attempt applied
+        self._staged: collections.OrderedDict[int, dict] = collections.OrderedDict()  # closure id -> {attempt: update}
         self._private: set[int] = set()  # keys whose array is this ps's own copy, written in place by row updates
         self._server: Any = None
 
@@ -127,7 +132,7 @@ class ParameterServer(_Served):
 
     @_locked
     def update(self, closure_id: int, applies: list, deltas: list, sets: list, read_back: tuple | None = None) -> Any:
-        """Applies one step's updates: optimizer programs, then additive deltas, then sets.
+        """Applies one step's updates (a push to this ps only): optimizer programs, then additive deltas, then sets.
 
         ``applies``: ``(program id, owned keys, written keys, foreign values,
         gradients, rows)`` per program, each loaded before; ``rows``: None, or
@@ -137,14 +142,50 @@ class ParameterServer(_Served):
         values of the read_back keys or None)`` after the update.
         """
         if closure_id not in self._applied:
-            self._apply(closure_id, applies, deltas, sets)
+            self._apply(closure_id, SINGLE_ATTEMPT, applies, deltas, sets)
         return self._version, None if read_back is None else [self._whole(k) for k in read_back]
 
-    def _apply(self, closure_id: int, applies: list, deltas: list, sets: list) -> None:
-        self._applied.add(closure_id)
-        self._applied_order.append(closure_id)
-        if len(self._applied_order) > _REMEMBERED_CLOSURES:
-            self._applied.discard(self._applied_order.popleft())
+    @_locked
+    def stage(self, closure_id: int, attempt: int, applies: list, deltas: list, sets: list) -> int | None:
+        """Keeps, without applying it, this ps's part of a push that spans several ps (the first of two phases).
+
+        ``attempt`` names the run of closure ``closure_id`` that sends it (a
+        re-run sends another).  Returns None, or the attempt already applied
+        here (a worker died between its commits): the re-run then commits that
+        attempt on every ps, so that all apply the same run of the step.
+        """
+        applied = self._applied.get(closure_id)
+        if applied is None:
+            self._staged.setdefault(closure_id, {})[attempt] = (applies, deltas, sets)
+            self._staged.move_to_end(closure_id)
+            if len(self._staged) > _STAGED_CLOSURES:
+                self._staged.popitem(last=False)
+        return applied
+
+    @_locked
+    def commit(self, closure_id: int, attempt: int, read_back: tuple | None = None) -> Any:
+        """Applies the update ``stage`` kept for ``attempt`` of ``closure_id`` (the second phase), once.
+
+        Every ps of a push has its part staged before any commits, so a ps
+        without the attempt staged had no part in it (a re-run that reaches other
+        ps): it applies nothing, and no later attempt of the closure.  Returns
+        ``(version, values of the read_back keys or None)`` after the commit.
+        """
+        staged = self._staged.pop(closure_id, {}).get(attempt)
+        if closure_id not in self._applied:
+            if staged is None:
+                self._remember(closure_id, attempt)
+            else:
+                self._apply(closure_id, attempt, *staged)
+        return self._version, None if read_back is None else [self._whole(k) for k in read_back]
+
+    def _remember(self, closure_id: int, attempt: int) -> None:
+        self._applied[closure_id] = attempt
+        if len(self._applied) > _REMEMBERED_CLOSURES:
+            self._applied.popitem(last=False)
+
+    def _apply(self, closure_id: int, attempt: int, applies: list, deltas: list, sets: list) -> None:
+        self._remember(closure_id, attempt)
         for program_id, owned, written, foreign_vals, grads, rows in applies:
             program = _load(self._programs, program_id, None)
             if rows is not None:

@@ -6,6 +6,7 @@ See ``actors.py`` for how ps and workers work together, ``row_plan.py`` for row 
 from __future__ import annotations
 
 import collections
+import secrets
 import threading
 from typing import Any
 
@@ -396,7 +397,10 @@ class Worker(_Served):
                     per_ps.setdefault(j, ([], [], [], []))[kind].append((key, part))
         backs = {j: plan.pull.get(j) or None for j in per_ps}
         self._load_programs(per_ps)
-        replies = self._exchange({j: ("update", closure_id, *lists[:3], backs[j]) for j, lists in per_ps.items()})
+        if len(per_ps) == 1:  # one ps: its update is atomic
+            replies = self._exchange({j: ("update", closure_id, *lists[:3], backs[j]) for j, lists in per_ps.items()})
+        else:
+            replies = self._exchange({j: ("commit", closure_id, self._stage(closure_id, per_ps), backs[j]) for j in per_ps})
         versions = {}
         for j, (version, values) in replies.items():
             versions[j] = version
@@ -405,6 +409,22 @@ class Worker(_Served):
             else:
                 self._read_back[j] = (version, dict(zip(backs[j], values)))
         return versions
+
+    def _stage(self, closure_id: int, per_ps: dict) -> int:
+        """Stages each ps's part of a push that spans several ps; returns the attempt they all commit.
+
+        A worker that died between its commits left some ps with its attempt
+        applied and the others with it staged (all were staged before any
+        commit).  A re-run then commits that attempt everywhere, not its own: every
+        ps applies the same run of the step, with the same batch.
+        """
+        attempt = secrets.randbits(62) + 1  # not SINGLE_ATTEMPT
+        applied = self._exchange({j: ("stage", closure_id, attempt, *lists[:3]) for j, lists in per_ps.items()})
+        earlier = {a for a in applied.values() if a is not None}
+        if len(earlier) > 1:
+            raise RuntimeError(f"closure {closure_id} was applied by different runs {sorted(earlier)} on different ps; "
+                               "this is a bug in distribute.")
+        return earlier.pop() if earlier else attempt
 
     def _load_programs(self, per_ps: dict) -> None:
         """Sends each ps (through Ray, once per ps) the apply programs this push uses that it does not have."""
