@@ -21,3 +21,19 @@ def ray_instance():
         ray.init(address="local", include_dashboard=False, log_to_driver=False, configure_logging=False)
     yield ray
     ray.shutdown()
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist (``-n``, pyproject's addopts): every test of the shared Ray instance runs in one worker.
+
+    ``--dist loadgroup`` sends the tests of one ``xdist_group`` to one worker, so the suite starts one local
+    Ray instance, not one per worker: the tests that use the ``ray_instance`` fixture, and those of a module
+    that makes a ParameterServerStrategy in this process (it would join or start Ray here).
+    """
+    in_process_ps: dict = {}
+    for item in items:
+        path = getattr(item, "path", None)
+        if path is not None and path not in in_process_ps:
+            in_process_ps[path] = "ParameterServerStrategy(" in path.read_text()
+        if "ray_instance" in getattr(item, "fixturenames", ()) or in_process_ps.get(path):
+            item.add_marker(pytest.mark.xdist_group("ray"))

@@ -312,7 +312,7 @@ def _runnable_pages():
     for page in PAGES:
         runnable = [b for b in blocks(page) if _runs(b)]
         if runnable:
-            marks = [pytest.mark.multiprocess] if any("ParameterServerStrategy" in b.code for b in runnable) else []
+            marks = [pytest.mark.multiprocess, pytest.mark.xdist_group("ray")] if any("ParameterServerStrategy" in b.code for b in runnable) else []
             yield pytest.param(page, id=str(page.relative_to(ROOT)), marks=marks)
 
 

@@ -20,6 +20,19 @@ def _run(args, tmp_path, timeout=600, env_extra=None):
     )
 
 
+def _main_in_process(args, tmp_path, monkeypatch, capsys):
+    """``python -m distribute ARGS`` in this process (its 8 CPU devices): the job's own code without a new
+    interpreter's imports; the README's commands themselves run as subprocesses above and below."""
+    import jax  # noqa: F401 - loaded now with conftest's 8 devices; cli.main sets a count only before JAX loads
+
+    from distribute import cli
+
+    monkeypatch.chdir(tmp_path)
+    code = cli.main(args)
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
 def test_keras_fit_example_trains(tmp_path):
     result = _run([str(ROOT / "examples" / "keras_fit.py"), "--epochs", "3"], tmp_path)
     assert result.returncode == 0, result.stderr
@@ -39,7 +52,8 @@ def test_custom_loop_example_trains(tmp_path):
     assert float(epochs[-1].split("Test Accuracy: ")[1]) > 80.0
 
 
-@pytest.mark.parametrize("replicas,mode", [(1, "fit"), (2, "fit"), (4, "fit"), (2, "custom")])
+# One replica: test_main_job_fit_gives_the_same_answer_on_1_and_2_replicas.
+@pytest.mark.parametrize("replicas,mode", [(2, "fit"), (4, "custom")])
 def test_main_job_reaches_095_on_digits(tmp_path, replicas, mode):
     out = tmp_path / "out"
     result = _run(
@@ -59,25 +73,27 @@ def test_main_job_reaches_095_on_digits(tmp_path, replicas, mode):
     assert (out / "model.keras").stat().st_size > 0
 
 
-def test_main_job_fit_gives_the_same_answer_on_1_and_2_replicas(tmp_path):
-    accuracies = []
+def test_main_job_fit_gives_the_same_answer_on_1_and_2_replicas(tmp_path, monkeypatch, capsys):
+    losses = []
     for replicas in (1, 2):
         out = tmp_path / f"out{replicas}"
-        result = _run(["-m", "distribute", "train", "--replicas", str(replicas), "--epochs", "3", "--verbose", "0", "--output", str(out)], tmp_path)
-        assert result.returncode == 0, result.stderr
-        accuracies.append(json.loads((out / "history.json").read_text())["history"]["loss"])
-    np.testing.assert_allclose(accuracies[0], accuracies[1], rtol=1e-4)
+        code, stdout, err = _main_in_process(["train", "--replicas", str(replicas), "--epochs", "3", "--verbose", "0", "--output", str(out)],
+                                             tmp_path, monkeypatch, capsys)
+        assert code == 0, err
+        assert stdout.startswith(f"strategy: MirroredStrategy, replicas: {replicas}")
+        losses.append(json.loads((out / "history.json").read_text())["history"]["loss"])
+    np.testing.assert_allclose(losses[0], losses[1], rtol=1e-4)
 
 
-def test_main_job_reads_an_mnist_npz(tmp_path):
+def test_main_job_reads_an_mnist_npz(tmp_path, monkeypatch, capsys):
     rng = np.random.default_rng(0)
     x_train = rng.integers(0, 256, (300, 28, 28), dtype=np.uint8)
     y_train = rng.integers(0, 10, 300).astype(np.uint8)
     np.savez(tmp_path / "mnist.npz", x_train=x_train, y_train=y_train, x_test=x_train[:50], y_test=y_train[:50])
-    result = _run(["-m", "distribute", "train", "--data", "mnist.npz", "--epochs", "1", "--verbose", "0", "--output", "o"], tmp_path)
-    assert result.returncode == 0, result.stderr
-    assert "300 train / 50 test examples, 784 features" in result.stdout
-    assert result.stdout.strip().splitlines()[-1].startswith("test accuracy: ")
+    code, out, err = _main_in_process(["train", "--data", "mnist.npz", "--epochs", "1", "--verbose", "0", "--output", "o"], tmp_path, monkeypatch, capsys)
+    assert code == 0, err
+    assert "300 train / 50 test examples, 784 features" in out
+    assert out.strip().splitlines()[-1].startswith("test accuracy: ")
 
 
 @pytest.mark.parametrize(
@@ -203,18 +219,17 @@ def test_main_job_invalid_data_exits_1_with_one_line(tmp_path, kind, needle):
     assert not (tmp_path / "o").exists()
 
 
-def test_main_job_accepts_float_and_column_labels(tmp_path):
+def test_main_job_accepts_float_and_column_labels(tmp_path, monkeypatch, capsys):
     rng = np.random.default_rng(0)
     x = rng.random((60, 4, 4)).astype(np.float32)
     y = rng.integers(0, 3, 60)
     np.savez(tmp_path / "d.npz", x_train=x, y_train=y.astype(np.float64), x_test=x[:20], y_test=y[:20, None])
-    result = _run(["-m", "distribute", "train", "--data", "d.npz", "--epochs", "1", "--verbose", "0", "--output", "o"], tmp_path)
-    assert result.returncode == 0, result.stderr
-    assert "60 train / 20 test examples, 16 features, 3 classes" in result.stdout
+    code, out, err = _main_in_process(["train", "--data", "d.npz", "--epochs", "1", "--verbose", "0", "--output", "o"], tmp_path, monkeypatch, capsys)
+    assert code == 0, err
+    assert "60 train / 20 test examples, 16 features, 3 classes" in out
 
 
-@pytest.mark.parametrize("mode", ["fit", "custom"])
-@pytest.mark.parametrize("verbose", [1, 2])
+@pytest.mark.parametrize("mode,verbose", [("fit", 1), ("custom", 1), ("custom", 2)])
 def test_main_job_epoch_lines_are_not_inside_the_progress_bar(tmp_path, mode, verbose):
     result = _run(
         ["-m", "distribute", "train", "--mode", mode, "--epochs", "2", "--verbose", str(verbose), "--output", "o"], tmp_path
@@ -245,10 +260,11 @@ def test_readme_quick_start_matches_ci():
 def test_main_job_parameter_server_reaches_093_on_digits(tmp_path, mode):
     # The defaults: an embedded Ray cluster of 2 workers and 1 ps; Keras fit (the default mode) or TF's custom
     # PS loop. The saved model gives the printed accuracy; fit counts every scheduled step once.
-    out = tmp_path / "out"
+    # The custom loop (the same ps, its own loop code) trains fewer epochs to the same accuracy check.
+    out, epochs = tmp_path / "out", 20 if mode == "fit" else 12
     result = _run(
         ["-m", "distribute", "train", "--strategy", "parameter_server", *(["--mode", mode] if mode == "custom" else []),
-         "--verbose", "0", "--output", str(out)],
+         "--epochs", str(epochs), "--verbose", "0", "--output", str(out)],
         tmp_path, timeout=240,
     )
     assert result.returncode == 0, result.stderr
@@ -257,20 +273,19 @@ def test_main_job_parameter_server_reaches_093_on_digits(tmp_path, mode):
     assert lines[1].endswith(f"global batch 64, mode {mode}")
     accuracy = float(lines[-1].split("test accuracy: ")[1])
     assert accuracy >= 0.93
-    epochs = [l for l in lines if l.startswith("epoch ") and "examples/s" in l]
-    assert len(epochs) == 20
+    epoch_lines = [l for l in lines if l.startswith("epoch ") and "examples/s" in l]
+    assert len(epoch_lines) == epochs
     history = json.loads((out / "history.json").read_text())["history"]
     assert sorted(history) == ["accuracy", "loss", "val_accuracy", "val_loss"]
-    assert len(history["loss"]) == 20 and history["loss"][-1] < history["loss"][0] / 5
+    assert len(history["loss"]) == epochs and history["loss"][-1] < history["loss"][0] / 5
     assert history["val_accuracy"][-1] == pytest.approx(accuracy, abs=1e-4)
     assert (out / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    check = (
-        "import sys, keras, numpy as np; from distribute.training import load_data; "
-        "_, _, x, y, _ = load_data(None, 0); m = keras.saving.load_model(sys.argv[1]); "
-        "print((np.asarray(m(x)).argmax(1) == y).mean(), int(m.optimizer.iterations.numpy()))"
-    )
-    saved = _run(["-c", check, str(out / "model.keras")], tmp_path, timeout=120, env_extra={"KERAS_BACKEND": "jax"})
-    assert saved.returncode == 0, saved.stderr
-    saved_accuracy, iterations = saved.stdout.strip().splitlines()[-1].split()
-    assert float(saved_accuracy) == pytest.approx(accuracy, abs=1e-4)
-    assert int(iterations) == 20 * (1437 // 64)  # every step of every epoch applied once
+    import keras
+
+    from distribute.training import load_data
+
+    _, _, x, y, _ = load_data(None, 0)
+    saved = keras.saving.load_model(out / "model.keras")  # outside any scope: a plain model
+    assert float((np.asarray(saved(x)).argmax(1) == y).mean()) == pytest.approx(accuracy, abs=1e-4)
+    iterations = int(saved.optimizer.iterations.numpy())
+    assert int(iterations) == epochs * (1437 // 64)  # every step of every epoch applied once
