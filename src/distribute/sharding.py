@@ -124,36 +124,6 @@ class Slices:
         self._parts[id(full)] = (full, part)
         return full
 
-    def gather_all(self, parts: Sequence[Any], dims: Sequence[int]) -> list:
-        """``gather`` of several slices in one all-gather per dtype (the step's update: one collective, not one
-        per variable; on CPU every collective is a rendezvous of all replicas' threads).
-
-        Each slice is laid out with its split dim first and flattened; the flat
-        slices are concatenated, all-gathered (``(replicas, total)``) and cut
-        back into whole values, so the result equals ``gather`` of each.
-        """
-        out: list = [None] * len(parts)
-        groups: dict[Any, list[int]] = {}
-        for i, part in enumerate(parts):
-            groups.setdefault(jnp.result_type(part), []).append(i)
-        for positions in groups.values():
-            if len(positions) == 1:
-                (i,) = positions
-                out[i] = self.gather(parts[i], dims[i])
-                continue
-            flat = [jnp.moveaxis(parts[i], dims[i], 0).reshape(-1) for i in positions]
-            gathered = lax.all_gather(jnp.concatenate(flat), AXIS, axis=0, tiled=False, to="invarying")
-            offset = 0
-            for i, piece in zip(positions, flat):
-                part, dim = parts[i], dims[i]
-                moved = jnp.moveaxis(part, dim, 0).shape
-                block = gathered[:, offset:offset + piece.shape[0]].reshape(gathered.shape[0] * moved[0], *moved[1:])
-                offset += piece.shape[0]
-                full = jnp.moveaxis(block, 0, dim)
-                self._parts[id(full)] = (full, part)
-                out[i] = full
-        return out
-
     def part(self, full: Any, dim: int) -> Any:
         known = self._parts.get(id(full))
         if known is not None and known[0] is full:

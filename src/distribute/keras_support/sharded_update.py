@@ -111,11 +111,6 @@ def update_dim(variable: Any) -> int | None:
     return None if placement is None else placement.update_dim
 
 
-def _stored_split(variable: Any) -> bool:
-    placement = variable.__dict__.get("_distribute_placement")
-    return placement is not None and placement.split
-
-
 @contextlib.contextmanager
 def _sliced(shapes: dict, constrained: list) -> Iterator[None]:
     """While Keras' update runs on slices: their shapes, and no constraints (they run on whole values after)."""
@@ -207,14 +202,10 @@ def apply(context: Any, optimizer: Any, grads: list, trainable_variables: Any, s
         if given is not None and missing:
             warnings.filterwarnings("ignore", message="Gradients do not exist for variables")
         new_values, new_slots = optimizer.stateless_apply(slot_values, reduced, values)
-    changed = [(v, d, new) for v, d, old, new in zip(variables + slot_vars, dims + slot_dims, values + slot_values,
-                                                     list(new_values) + list(new_slots)) if new is not old]
-    # Slices of variables stored whole are all-gathered together; a split-stored one (a slot; FULL's variables)
-    # keeps its own gather, which the compiler removes unless the rest of the step reads the whole value.
-    stored_whole = [i for i, (v, d, _) in enumerate(changed) if d is not None and not _stored_split(v)]
-    gathered = dict(zip(stored_whole, slices.gather_all([changed[i][2] for i in stored_whole], [changed[i][1] for i in stored_whole]))) if stored_whole else {}
-    for i, (v, d, new) in enumerate(changed):
-        whole = gathered[i] if i in gathered else new if d is None else slices.gather(new, d)
+    for v, d, old, new in zip(variables + slot_vars, dims + slot_dims, values + slot_values, list(new_values) + list(new_slots)):
+        if new is old:
+            continue
+        whole = new if d is None else slices.gather(new, d)
         if id(v) in constrained_ids:
             whole = v.constraint(whole)
         scope.add_update((v, whole))
