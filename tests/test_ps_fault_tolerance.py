@@ -171,43 +171,60 @@ def _read(servers):
     return [s.read((7,))[0].tolist() for s in servers]
 
 
-def _push(servers, closure_id, attempt, deltas, commit_on=None):
-    """The worker's two phases (worker_actor._stage): stage everywhere, then commit the attempt that stands."""
-    applied = {s.stage(closure_id, attempt, [], [(7, np.asarray(d, np.float32))], []) for s, d in zip(servers, deltas)}
-    applied.discard(None)
-    assert len(applied) <= 1
-    chosen = applied.pop() if applied else attempt
-    for s in servers if commit_on is None else commit_on:
-        s.commit(closure_id, chosen)
+def _push(servers, closure_id, attempt, deltas, decide=True, commit_on=None):
+    """The worker's push (worker_actor._apply_once), ps 0 deciding: the others stage, ps 0 decides, they commit."""
+    for server, d in zip(servers[1:], deltas[1:]):
+        server.stage(closure_id, attempt, [], [(7, np.asarray(d, np.float32))], [])
+    if not decide:
+        return None
+    _, _, decided = servers[0].decide(closure_id, attempt, [], [(7, np.asarray(deltas[0], np.float32))], [])
+    for server in servers[1:] if commit_on is None else commit_on:
+        server.commit(closure_id, decided)
+    return decided
 
 
 def test_a_worker_killed_between_its_commits_has_every_ps_apply_the_same_run():
-    # The first run (its batch gives deltas 1 and 2) is staged on both ps and committed on ps 0 only, when its
-    # worker dies. The re-run (another batch: deltas 10 and 20) finds run 1 applied on ps 0 and commits run 1 on
-    # both: ps 1 applies its part of run 1, not of run 2, and nothing is applied twice.
+    # The first run (its batch gives deltas 1 and 2) is decided on ps 0, then its worker dies before ps 1
+    # commits. The re-run (another batch: deltas 10 and 20) gets run 1 back from ps 0 and commits run 1 on
+    # ps 1: ps 1 applies its part of run 1, not of run 2, and nothing is applied twice.
     servers = _servers()
-    _push(servers, 41, attempt=1, deltas=[[1, 1], [2, 2]], commit_on=servers[:1])
+    assert _push(servers, 41, attempt=1, deltas=[[1, 1], [2, 2]], commit_on=[]) == 1
     assert _read(servers) == [[1.0, 1.0], [0.0, 0.0]]
-    _push(servers, 41, attempt=2, deltas=[[10, 10], [20, 20]])
+    assert _push(servers, 41, attempt=2, deltas=[[10, 10], [20, 20]]) == 1
     assert _read(servers) == [[1.0, 1.0], [2.0, 2.0]]
-    _push(servers, 41, attempt=3, deltas=[[100, 100], [200, 200]])  # a third run changes nothing either
+    assert _push(servers, 41, attempt=3, deltas=[[100, 100], [200, 200]]) == 1  # a third run changes nothing either
     assert _read(servers) == [[1.0, 1.0], [2.0, 2.0]]
     assert [s.num_updates() for s in servers] == [1, 1]
     assert all(not s._staged for s in servers)
 
 
+def test_two_live_runs_of_one_closure_apply_one_of_them_everywhere():
+    # A dead worker's requests can still reach a ps after the closure was re-sent: two runs staged at once.
+    # ps 0 decides for the first to reach it; the other run commits that one, whatever order the rest arrive in.
+    servers = _servers(3)
+    _push(servers, 46, attempt=1, deltas=[[1, 1], [2, 2], [3, 3]], decide=False)
+    _push(servers, 46, attempt=2, deltas=[[10, 10], [20, 20], [30, 30]], decide=False)
+    _, _, decided = servers[0].decide(46, 2, [], [(7, np.full(2, 10.0, np.float32))], [])
+    assert servers[0].decide(46, 1, [], [(7, np.full(2, 1.0, np.float32))], [])[2] == decided == 2
+    servers[2].commit(46, decided)
+    servers[1].commit(46, decided)
+    servers[2].commit(46, decided)  # a repeated commit is skipped
+    assert _read(servers) == [[10.0, 10.0], [20.0, 20.0], [30.0, 30.0]]
+
+
 def test_a_worker_killed_while_staging_leaves_nothing_applied():
     servers = _servers()
-    servers[0].stage(42, 1, [], [(7, np.ones(2, np.float32))], [])  # run 1 reached ps 0's stage only
+    servers[1].stage(42, 1, [], [(7, np.ones(2, np.float32))], [])  # run 1 staged on ps 1 only, then died
     _push(servers, 42, attempt=2, deltas=[[5, 5], [6, 6]])
     assert _read(servers) == [[5.0, 5.0], [6.0, 6.0]]
-    servers[1].update(43, [], [(7, np.full(2, 3.0))], [(7, np.full(2, 9.0))])  # one ps: one phase; sets after deltas
-    servers[1].update(43, [], [(7, np.full(2, 3.0))], [])  # a repeat is skipped
-    assert _read(servers) == [[5.0, 5.0], [9.0, 9.0]]
+    servers[0].update(43, [], [(7, np.full(2, 3.0))], [(7, np.full(2, 9.0))])  # its decider only: one phase; sets after deltas
+    servers[0].update(43, [], [(7, np.full(2, 3.0))], [])  # a repeat is skipped
+    assert _read(servers) == [[9.0, 9.0], [6.0, 6.0]]
 
 
 def test_a_rerun_that_reaches_more_ps_applies_nothing_where_the_first_run_sent_nothing():
-    # Run 1's batch touched ps 0 only (one phase); the re-run's batch touches both: ps 1 gets no part of step 44.
+    # Run 1's batch touched ps 0 (the decider) only: one phase. The re-run's batch touches both: ps 1 gets no
+    # part of step 44.
     servers = _servers()
     servers[0].update(44, [], [(7, np.ones(2, np.float32))], [])
     _push(servers, 44, attempt=2, deltas=[[5, 5], [6, 6]])

@@ -14,16 +14,19 @@ the exported apply program on the ps's *current* values and optimizer state;
 writer wins).
 
 Every update carries the id of its closure, and a ps applies each closure's
-update at most once.  A push that spans several ps goes in two phases: every ps
-keeps its part (``stage``), then every ps applies it (``commit``).  A worker that
-dies while pushing has reached some ps and not others; the closure runs again
-elsewhere (TF's at-least-once) on another batch.  Staged but uncommitted parts are
-dropped, and if some ps had already applied the first run, the re-run commits
-that run's staged parts everywhere instead of its own.  So every scheduled step
-is applied exactly once, all its variables from the same run (the same batch),
-where TF can apply a re-run step twice to some variables and once to others.
+update at most once.  One ps decides for each closure (its id mod the ps count).
+A push to it alone is one update; a push that spans several ps goes in three
+steps: the other ps keep their parts (``stage``), the deciding ps decides (the
+first attempt of the closure to reach it wins) and applies its part, the others
+apply the decided attempt's part (``commit``).  A worker that dies while pushing
+has reached some ps and not others; the closure runs again elsewhere (TF's
+at-least-once) on another batch, and a dead worker's requests may still arrive
+late.  The re-run gets the decided attempt back and completes it; undecided
+parts are dropped.  So every scheduled step is applied exactly once, all its
+variables from the same run (the same batch), where TF can apply a re-run step
+twice to some variables and once to others.
 
-One exchange with each ps per step (two where the update spans several ps).  Each ps counts its mutations (``version``:
+One exchange with each ps per step (three rounds where the update spans several ps).  Each ps counts its mutations (``version``:
 applied updates and coordinator writes).  A push asks its ps for the values its step read
 (``read_back``), taken right after the update; the worker keeps them and its next
 step reads them instead of pulling, if they are at least as new as every version

@@ -17,10 +17,10 @@ from distribute.parameter_server.row_plan import local_rows
 # A re-run closure reaches the ps within seconds of the failure; remembering the last
 # 2**16 applied closures (about 4 MB) covers that with a wide margin.
 _REMEMBERED_CLOSURES = 1 << 16
-# Staged updates are committed right after their stage (the same push) or dropped
-# when their closure commits; only the attempts of dead workers stay, a few at most.
+# Staged parts are committed right after their push's decision, or dropped when their
+# closure is applied; only the attempts of dead workers stay, a few at most.
 _STAGED_CLOSURES = 256
-# The attempt of an update sent to one ps only (``update``): nothing to keep in step with.
+# The attempt of an update sent to its deciding ps only (``update``): no other ps has a part.
 SINGLE_ATTEMPT = 0
 
 
@@ -35,7 +35,7 @@ class ParameterServer(_Served):
     sent after the lock is released).
     """
 
-    REQUESTS = ("read", "rows", "update", "stage", "commit")
+    REQUESTS = ("read", "rows", "update", "stage", "decide", "commit")
 
     def __init__(self, task_id: int) -> None:
         self._task_id = task_id
@@ -141,35 +141,40 @@ class ParameterServer(_Served):
         same ``closure_id`` (a re-run closure) is skipped.  Returns ``(version,
         values of the read_back keys or None)`` after the update.
         """
-        if closure_id not in self._applied:
-            self._apply(closure_id, SINGLE_ATTEMPT, applies, deltas, sets)
-        return self._version, None if read_back is None else [self._whole(k) for k in read_back]
+        return self._decide(closure_id, SINGLE_ATTEMPT, (applies, deltas, sets), read_back)[:2]
 
     @_locked
-    def stage(self, closure_id: int, attempt: int, applies: list, deltas: list, sets: list) -> int | None:
-        """Keeps, without applying it, this ps's part of a push that spans several ps (the first of two phases).
+    def decide(self, closure_id: int, attempt: int, applies: list, deltas: list, sets: list,
+               read_back: tuple | None = None) -> Any:
+        """The deciding ps of a push that spans several ps: the first attempt of a closure to reach it wins.
 
-        ``attempt`` names the run of closure ``closure_id`` that sends it (a
-        re-run sends another).  Returns None, or the attempt already applied
-        here (a worker died between its commits): the re-run then commits that
-        attempt on every ps, so that all apply the same run of the step.
+        Every other ps of the push has staged its part (``stage``) before this
+        call.  If no attempt of ``closure_id`` was decided here, ``attempt`` is,
+        and this ps's part (``applies``, ``deltas``, ``sets``) is applied; a later
+        attempt (a re-run closure, or a dead worker's delayed request) gets the
+        decided one back and commits it on the other ps.  Returns ``(version,
+        values of the read_back keys or None, the decided attempt)``.
         """
-        applied = self._applied.get(closure_id)
-        if applied is None:
+        return self._decide(closure_id, attempt, (applies, deltas, sets), read_back)
+
+    @_locked
+    def stage(self, closure_id: int, attempt: int, applies: list, deltas: list, sets: list) -> None:
+        """Keeps, without applying it, this ps's part of ``attempt`` of closure ``closure_id`` (a push that spans
+        several ps, before its deciding ps decides); nothing once the closure is applied here."""
+        if closure_id not in self._applied:
             self._staged.setdefault(closure_id, {})[attempt] = (applies, deltas, sets)
             self._staged.move_to_end(closure_id)
             if len(self._staged) > _STAGED_CLOSURES:
                 self._staged.popitem(last=False)
-        return applied
 
     @_locked
     def commit(self, closure_id: int, attempt: int, read_back: tuple | None = None) -> Any:
-        """Applies the update ``stage`` kept for ``attempt`` of ``closure_id`` (the second phase), once.
+        """Applies the part ``stage`` kept for ``attempt`` (the one the deciding ps decided) of ``closure_id``, once.
 
-        Every ps of a push has its part staged before any commits, so a ps
-        without the attempt staged had no part in it (a re-run that reaches other
-        ps): it applies nothing, and no later attempt of the closure.  Returns
-        ``(version, values of the read_back keys or None)`` after the commit.
+        The decided attempt staged its part on every ps of its push before it
+        was decided, so a ps without it staged had no part in it (a re-run that
+        reaches other ps): it applies nothing, and no later attempt of the
+        closure.  Returns ``(version, values of the read_back keys or None)``.
         """
         staged = self._staged.pop(closure_id, {}).get(attempt)
         if closure_id not in self._applied:
@@ -178,6 +183,14 @@ class ParameterServer(_Served):
             else:
                 self._apply(closure_id, attempt, *staged)
         return self._version, None if read_back is None else [self._whole(k) for k in read_back]
+
+    def _decide(self, closure_id: int, attempt: int, update: tuple, read_back: tuple | None) -> tuple:
+        decided = self._applied.get(closure_id)
+        if decided is None:
+            self._staged.pop(closure_id, None)
+            self._apply(closure_id, attempt, *update)
+            decided = attempt
+        return self._version, None if read_back is None else [self._whole(k) for k in read_back], decided
 
     def _remember(self, closure_id: int, attempt: int) -> None:
         self._applied[closure_id] = attempt

@@ -85,6 +85,9 @@ class _PSHandles:
             handle = self._handles[j] = ray.get_actor(handle, namespace=self._namespace)
         return handle
 
+    def __len__(self) -> int:
+        return len(self._handles)
+
 
 class Worker(_Served):
     """One worker task (``/job:worker/replica:0/task:<i>``): runs scheduled steps (``("run", *run's arguments)`` on its channel)."""
@@ -397,10 +400,7 @@ class Worker(_Served):
                     per_ps.setdefault(j, ([], [], [], []))[kind].append((key, part))
         backs = {j: plan.pull.get(j) or None for j in per_ps}
         self._load_programs(per_ps)
-        if len(per_ps) == 1:  # one ps: its update is atomic
-            replies = self._exchange({j: ("update", closure_id, *lists[:3], backs[j]) for j, lists in per_ps.items()})
-        else:
-            replies = self._exchange({j: ("commit", closure_id, self._stage(closure_id, per_ps), backs[j]) for j in per_ps})
+        replies = self._apply_once(closure_id, per_ps, backs)
         versions = {}
         for j, (version, values) in replies.items():
             versions[j] = version
@@ -410,21 +410,29 @@ class Worker(_Served):
                 self._read_back[j] = (version, dict(zip(backs[j], values)))
         return versions
 
-    def _stage(self, closure_id: int, per_ps: dict) -> int:
-        """Stages each ps's part of a push that spans several ps; returns the attempt they all commit.
+    def _apply_once(self, closure_id: int, per_ps: dict, backs: dict) -> dict:
+        """Sends each ps its part of the update so that every ps applies one attempt of the closure: ps -> reply.
 
-        A worker that died between its commits left some ps with its attempt
-        applied and the others with it staged (all were staged before any
-        commit).  A re-run then commits that attempt everywhere, not its own: every
-        ps applies the same run of the step, with the same batch.
+        One ps decides for each closure (``closure_id`` mod the ps count).  A push
+        to it alone is one ``update``.  Otherwise the other ps stage their parts,
+        then the deciding ps decides (the first attempt to reach it wins, even
+        against a dead worker's delayed request) and applies its own part, then
+        the others commit the decided attempt: a re-run closure, on another batch,
+        completes the run that was decided rather than mixing two.
         """
+        decider = closure_id % len(self._ps)
+        if set(per_ps) == {decider}:
+            lists = per_ps[decider]
+            return self._exchange({decider: ("update", closure_id, *lists[:3], backs[decider])})
         attempt = secrets.randbits(62) + 1  # not SINGLE_ATTEMPT
-        applied = self._exchange({j: ("stage", closure_id, attempt, *lists[:3]) for j, lists in per_ps.items()})
-        earlier = {a for a in applied.values() if a is not None}
-        if len(earlier) > 1:
-            raise RuntimeError(f"closure {closure_id} was applied by different runs {sorted(earlier)} on different ps; "
-                               "this is a bug in distribute.")
-        return earlier.pop() if earlier else attempt
+        others = [j for j in per_ps if j != decider]
+        self._exchange({j: ("stage", closure_id, attempt, *per_ps[j][:3]) for j in others})
+        lists = per_ps.get(decider, ([], [], []))
+        version, values, decided = self._exchange({decider: ("decide", closure_id, attempt, *lists[:3], backs.get(decider))})[decider]
+        replies = self._exchange({j: ("commit", closure_id, decided, backs[j]) for j in others})
+        if decider in per_ps:
+            replies[decider] = (version, values)
+        return replies
 
     def _load_programs(self, per_ps: dict) -> None:
         """Sends each ps (through Ray, once per ps) the apply programs this push uses that it does not have."""
