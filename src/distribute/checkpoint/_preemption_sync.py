@@ -79,6 +79,9 @@ class _LocalSync:
     def claim(self) -> bool:
         return True
 
+    def wait_for_run(self, result: Any) -> None:
+        """One worker decides alone: its runs may stay queued."""
+
     def publish(self, key: str, run: int) -> None:
         del key
         self.step_to_checkpoint = run
@@ -124,6 +127,22 @@ class _ClusterSync(_LocalSync):
 
     def claim(self) -> bool:
         return self._exchange.claim(self._key(_PREEMPTION_WORKER_KEY), self.id_in_cluster)
+
+    def wait_for_run(self, result: Any) -> None:
+        """Waits until the run that returned ``result`` is computed (every dispatched array if it holds none).
+
+        The protocol's premise (TF's calls are synchronous): a worker finishes
+        run N + 1 only after the notified worker started it, which it does only
+        once every worker acknowledged the run to save at, so each worker checks
+        at N + 1 knowing it.  With JAX's asynchronous dispatch a worker's host can
+        be runs ahead of its computation (on GPUs without bound) and pass N + 1
+        before its watcher sees the key; then it never saves, and the others wait
+        for it at the barrier.
+        """
+        import jax
+
+        arrays = [x for x in jax.tree_util.tree_leaves(result) if isinstance(x, jax.Array)]
+        jax.block_until_ready(arrays or jax.live_arrays())
 
     def publish(self, key: str, run: int) -> None:
         """Sets the run to save at and waits for every worker's acknowledgement.

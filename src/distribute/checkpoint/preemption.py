@@ -186,12 +186,18 @@ class PreemptionCheckpointHandler:
     def run(self, distributed_train_function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """``distributed_train_function(*args, **kwargs)``, after saving and exiting if a termination was agreed.
 
+        With several workers it returns once the run's result is computed (its
+        arrays; every dispatched array when it returns none), as TF's call does:
+        JAX dispatches asynchronously, and a worker whose host ran ahead could
+        pass the run the workers agree to save at before it learns of it.
+
         Returns:
             What ``distributed_train_function`` returns.
         """
         self._check_preemption_and_maybe_checkpoint()
         begin = time.time()
         result = distributed_train_function(*args, **kwargs)
+        self._sync.wait_for_run(result)
         self._run_counter += 1
         self._estimated_run_time += (time.time() - begin - self._estimated_run_time) / self._run_counter
         return result
