@@ -23,17 +23,25 @@ def ray_instance():
     ray.shutdown()
 
 
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
-    """Under pytest-xdist (``-n``, pyproject's addopts): every test of the shared Ray instance runs in one worker.
+    """Under pytest-xdist (``-n``, pyproject's addopts): which tests run in the same worker process.
 
-    ``--dist loadgroup`` sends the tests of one ``xdist_group`` to one worker, so the suite starts one local
-    Ray instance, not one per worker: the tests that use the ``ray_instance`` fixture, and those of a module
-    that makes a ParameterServerStrategy in this process (it would join or start Ray here).
+    ``--dist loadgroup`` sends the tests of one ``xdist_group`` to one worker.  Every test that starts or
+    joins Ray is in group "ray", so the suite starts one local Ray instance, not one per worker, and no two
+    Ray clusters start at the same moment: the tests that use the ``ray_instance`` fixture, those of a module
+    that makes a ParameterServerStrategy in this process or launches a ps cluster (``test_ps_*``), and those
+    marked ``xdist_group("ray")`` themselves.  Every other test is grouped by its module, so a module's
+    fixtures (a multi-worker launch is tens of seconds) are set up once, in one worker.
     """
-    in_process_ps: dict = {}
+    in_ray: dict = {}
     for item in items:
         path = getattr(item, "path", None)
-        if path is not None and path not in in_process_ps:
-            in_process_ps[path] = "ParameterServerStrategy(" in path.read_text()
-        if "ray_instance" in getattr(item, "fixturenames", ()) or in_process_ps.get(path):
-            item.add_marker(pytest.mark.xdist_group("ray"))
+        if path is not None and path not in in_ray:
+            in_ray[path] = path.name.startswith("test_ps_") or "ParameterServerStrategy(" in path.read_text()
+        marked = any(mark.args == ("ray",) for mark in item.iter_markers("xdist_group"))
+        if marked or "ray_instance" in getattr(item, "fixturenames", ()) or in_ray.get(path):
+            if not marked:
+                item.add_marker(pytest.mark.xdist_group("ray"))
+        elif path is not None:
+            item.add_marker(pytest.mark.xdist_group(path.stem))

@@ -256,6 +256,7 @@ def test_readme_quick_start_matches_ci():
 
 
 @pytest.mark.multiprocess
+@pytest.mark.xdist_group("ray")  # starts an embedded Ray cluster (tests/conftest.py)
 @pytest.mark.parametrize("mode", ["fit", "custom"])
 def test_main_job_parameter_server_reaches_093_on_digits(tmp_path, mode):
     # The defaults: an embedded Ray cluster of 2 workers and 1 ps; Keras fit (the default mode) or TF's custom
