@@ -420,6 +420,8 @@ class Worker(_Served):
         the others commit the decided attempt: a re-run closure, on another batch,
         completes the run that was decided rather than mixing two.
         """
+        if not per_ps:  # a step that updates nothing
+            return {}
         decider = closure_id % len(self._ps)
         if set(per_ps) == {decider}:
             lists = per_ps[decider]
