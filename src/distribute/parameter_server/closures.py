@@ -16,8 +16,8 @@ a ps actor died (also when a worker's call to it died)  ``PSUnavailableError`` n
                                                        the next schedule/join/done; queued closures
                                                        cancelled
 this worker's actor died or is restarting              the closure goes back on the queue (any worker
-                                                       may run it: at-least-once; each ps applies its
-                                                       update once), the worker's iterators are
+                                                       may run it: at-least-once; one run's update is
+                                                       applied, once), the worker's iterators are
                                                        rebuilt once Ray restarted it
 the function raised                                    its error, with its own type, raised by the next
                                                        schedule/join/done; queued closures cancelled
@@ -58,7 +58,7 @@ class Closure:
 
     def __init__(self, step: Any, args: list, remote_value: RemoteValue):
         self.step, self.args, self.remote_value = step, args, remote_value
-        self.id = next(_CLOSURE_IDS)  # the same on a re-run: each ps applies the update once
+        self.id = next(_CLOSURE_IDS)  # the same on a re-run: the update of one run is applied, once
         # ElementSpecChanged -> the Step for those element shapes (ClusterCoordinator.schedule sets it)
         self.retrace: Any = None
         self.retraces = 0

@@ -175,7 +175,7 @@ class Worker(_Served):
         """Reads the variables ``plan`` reads, runs the step program, pushes its updates.
 
         ``closure_id`` identifies the scheduled call (the same on a re-run), so that
-        each ps applies its update once.  ``plan`` is a ``StepPlan``, or the program
+        every ps applies one run of it, once (``_apply_once``).  ``plan`` is a ``StepPlan``, or the program
         id of one sent before (then ``box`` is None).  ``after`` is the id of the
         closure the coordinator sent here just before, still in flight when it sent
         this one: if that one raised here, this one does not run (returns None; the
