@@ -231,3 +231,13 @@ def test_a_rerun_that_reaches_more_ps_applies_nothing_where_the_first_run_sent_n
     assert _read(servers) == [[1.0, 1.0], [0.0, 0.0]]
     _push(servers, 45, attempt=7, deltas=[[1, 1], [1, 1]])  # and the next step is applied as usual
     assert _read(servers) == [[2.0, 2.0], [1.0, 1.0]]
+
+
+def test_a_ps_that_died_before_a_worker_first_reached_it_is_reported_lost(ray_instance):
+    # A restarted worker looks its ps up by name on first use; Ray finds live named actors only. Found in the
+    # order ps-failure test after a worker restart: a plain ValueError from Ray instead of the ps's loss.
+    from distribute.parameter_server.worker_actor import _PSHandles
+
+    handles = _PSHandles(["ps-that-is-gone"], namespace="distribute-tests-no-such-namespace")
+    with pytest.raises(PSUnavailableError, match=r"parameter server 0 \(ps-0, /job:ps/replica:0/task:0\) is unavailable"):
+        handles[0]

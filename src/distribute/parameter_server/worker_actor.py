@@ -82,7 +82,10 @@ class _PSHandles:
         if isinstance(handle, str):
             import ray
 
-            handle = self._handles[j] = ray.get_actor(handle, namespace=self._namespace)
+            try:
+                handle = self._handles[j] = ray.get_actor(handle, namespace=self._namespace)
+            except ValueError as error:  # Ray finds live named actors only: the ps died before this (restarted) worker
+                raise ps_lost(j) from error  # first reached it, and is lost as if it died while reached
         return handle
 
     def __len__(self) -> int:
