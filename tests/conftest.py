@@ -39,9 +39,9 @@ def pytest_collection_modifyitems(config, items):
         path = getattr(item, "path", None)
         if path is not None and path not in in_ray:
             in_ray[path] = path.name.startswith("test_ps_") or "ParameterServerStrategy(" in path.read_text()
-        marked = any(mark.args == ("ray",) for mark in item.iter_markers("xdist_group"))
-        if marked or "ray_instance" in getattr(item, "fixturenames", ()) or in_ray.get(path):
-            if not marked:
-                item.add_marker(pytest.mark.xdist_group("ray"))
+        if any(mark.args == ("ray",) for mark in item.iter_markers("xdist_group")):
+            continue
+        if "ray_instance" in getattr(item, "fixturenames", ()) or in_ray.get(path):
+            item.add_marker(pytest.mark.xdist_group("ray"))
         elif path is not None:
             item.add_marker(pytest.mark.xdist_group(path.stem))

@@ -233,6 +233,28 @@ def test_a_rerun_that_reaches_more_ps_applies_nothing_where_the_first_run_sent_n
     assert _read(servers) == [[2.0, 2.0], [1.0, 1.0]]
 
 
+def test_staged_parts_stay_until_no_rerun_can_need_them(monkeypatch):
+    # Many pushes in flight at once (many workers) keep every staged part, however many; a dead worker's part is
+    # dropped only once no re-run can come (twice the coordinator's wait for a restarted worker).
+    from distribute.parameter_server import ps_actor
+
+    clock = [1000.0]
+    monkeypatch.setattr(ps_actor.time, "monotonic", lambda: clock[0])
+    servers = _servers(2)
+    for closure_id in range(300):
+        servers[1].stage(closure_id, 1, [], [(7, np.ones(2, np.float32))], [])
+    for closure_id in range(300):  # then each is decided on ps 0 and committed on ps 1
+        servers[1].commit(closure_id, servers[0].decide(closure_id, 1, [], [], [])[2])
+    assert _read(servers) == [[0.0, 0.0], [300.0, 300.0]]  # every staged part applied
+    servers[1].stage(500, 1, [], [(7, np.ones(2, np.float32))], [])  # a dead worker's part, never decided
+    clock[0] += ps_actor._STAGED_SECONDS - 1
+    servers[1].stage(501, 1, [], [(7, np.ones(2, np.float32))], [])
+    assert sorted(servers[1]._staged) == [500, 501]
+    clock[0] += 2
+    servers[1].stage(502, 1, [], [(7, np.ones(2, np.float32))], [])
+    assert sorted(servers[1]._staged) == [501, 502]
+
+
 def test_a_ps_that_died_before_a_worker_first_reached_it_is_reported_lost(ray_instance):
     # A restarted worker looks its ps up by name on first use; Ray finds live named actors only. Found in the
     # order ps-failure test after a worker restart: a plain ValueError from Ray instead of the ps's loss.

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import collections
 import threading
+import time
 from typing import Any
 
 import numpy as np
@@ -18,8 +19,10 @@ from distribute.parameter_server.row_plan import local_rows
 # 2**16 applied closures (about 4 MB) covers that with a wide margin.
 _REMEMBERED_CLOSURES = 1 << 16
 # Staged parts are committed right after their push's decision, or dropped when their
-# closure is applied; only the attempts of dead workers stay, a few at most.
-_STAGED_CLOSURES = 256
+# closure is applied; only the parts of dead workers' attempts stay. Those are kept
+# until no re-run can need them: a re-run comes within the coordinator's wait for a
+# restarted worker (closures._WORKER_RECOVERY_SECONDS, 600 s), so twice that.
+_STAGED_SECONDS = 1200.0
 # The attempt of an update sent to its deciding ps only (``update``): no other ps has a part.
 SINGLE_ATTEMPT = 0
 
@@ -47,7 +50,8 @@ class ParameterServer(_Served):
         self._version = 0  # mutations so far (applied updates, creates)
         self._num_reads = 0
         self._applied: collections.OrderedDict[int, int] = collections.OrderedDict()  # closure id -> attempt applied
-        self._staged: collections.OrderedDict[int, dict] = collections.OrderedDict()  # closure id -> {attempt: update}
+        # closure id -> (time of its last stage, {attempt: update}), least recently staged first
+        self._staged: collections.OrderedDict[int, tuple[float, dict]] = collections.OrderedDict()
         self._private: set[int] = set()  # keys whose array is this ps's own copy, written in place by row updates
         self._server: Any = None
 
@@ -161,11 +165,14 @@ class ParameterServer(_Served):
     def stage(self, closure_id: int, attempt: int, applies: list, deltas: list, sets: list) -> None:
         """Keeps, without applying it, this ps's part of ``attempt`` of closure ``closure_id`` (a push that spans
         several ps, before its deciding ps decides); nothing once the closure is applied here."""
-        if closure_id not in self._applied:
-            self._staged.setdefault(closure_id, {})[attempt] = (applies, deltas, sets)
-            self._staged.move_to_end(closure_id)
-            if len(self._staged) > _STAGED_CLOSURES:
-                self._staged.popitem(last=False)
+        if closure_id in self._applied:
+            return
+        now = time.monotonic()
+        attempts = self._staged.pop(closure_id, (now, {}))[1]
+        attempts[attempt] = (applies, deltas, sets)
+        self._staged[closure_id] = (now, attempts)
+        while next(iter(self._staged.values()))[0] < now - _STAGED_SECONDS:  # dead workers' parts no re-run needs
+            self._staged.popitem(last=False)
 
     @_locked
     def commit(self, closure_id: int, attempt: int, read_back: tuple | None = None) -> Any:
@@ -176,7 +183,7 @@ class ParameterServer(_Served):
         reaches other ps): it applies nothing, and no later attempt of the
         closure.  Returns ``(version, values of the read_back keys or None)``.
         """
-        staged = self._staged.pop(closure_id, {}).get(attempt)
+        staged = self._staged.pop(closure_id, (0.0, {}))[1].get(attempt)
         if closure_id not in self._applied:
             if staged is None:
                 self._remember(closure_id, attempt)
