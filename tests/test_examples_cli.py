@@ -52,8 +52,7 @@ def test_custom_loop_example_trains(tmp_path):
     assert float(epochs[-1].split("Test Accuracy: ")[1]) > 80.0
 
 
-# One replica: test_main_job_fit_gives_the_same_answer_on_1_and_2_replicas.
-@pytest.mark.parametrize("replicas,mode", [(2, "fit"), (4, "custom")])
+@pytest.mark.parametrize("replicas,mode", [(1, "fit"), (2, "fit"), (4, "fit"), (2, "custom")])
 def test_main_job_reaches_095_on_digits(tmp_path, replicas, mode):
     out = tmp_path / "out"
     result = _run(
@@ -229,7 +228,7 @@ def test_main_job_accepts_float_and_column_labels(tmp_path, monkeypatch, capsys)
     assert "60 train / 20 test examples, 16 features, 3 classes" in out
 
 
-@pytest.mark.parametrize("mode,verbose", [("fit", 1), ("custom", 1), ("custom", 2)])
+@pytest.mark.parametrize("mode,verbose", [("fit", 1), ("fit", 2), ("custom", 1), ("custom", 2)])
 def test_main_job_epoch_lines_are_not_inside_the_progress_bar(tmp_path, mode, verbose):
     result = _run(
         ["-m", "distribute", "train", "--mode", mode, "--epochs", "2", "--verbose", str(verbose), "--output", "o"], tmp_path
