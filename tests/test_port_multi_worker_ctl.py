@@ -114,6 +114,11 @@ MAIN = textwrap.dedent('''
     num_epochs = int(sys.argv[3])
     num_steps_per_epoch = int(sys.argv[4])
 
+    def _dump(path, value):                               # added: what the test reads, written whole or not
+      with open(path + '.tmp', 'w') as f:                 # at all (a task that fails makes the launcher stop
+        json.dump(value, f)                               # the others, maybe while one writes)
+      os.replace(path + '.tmp', path)
+
     # Checkpoint saving and restoring
     def _is_chief(task_type, task_id, cluster_spec):
       return (task_type is None
@@ -204,8 +209,7 @@ MAIN = textwrap.dedent('''
                 'epoch': int(epoch.numpy()), 'step_in_epoch': int(step_in_epoch.numpy()),
                 'weights': [w.tolist() for w in multi_worker_model.get_weights()],
                 'is_chief': _is_chief(task_type, task_id, cluster_spec), 'write_checkpoint_dir': write_checkpoint_dir}
-    with open(os.path.join(out, 'restored_%s_%d_%d.json' % (task_type, task_id, num_epochs)), 'w') as f:
-      json.dump(restored, f)
+    _dump(os.path.join(out, 'restored_%s_%d_%d.json' % (task_type, task_id, num_epochs)), restored)
     log = []
 
     # Resume our CTL training
@@ -233,11 +237,11 @@ MAIN = textwrap.dedent('''
       epoch.assign_add(1)
       step_in_epoch.assign(0)
 
-    with open(os.path.join(out, 'result_%s_%d_%d.json' % (task_type, task_id, num_epochs)), 'w') as f:
-      json.dump({'restored': restored, 'log': log, 'is_chief': restored['is_chief'],
-                 'write_checkpoint_dir': write_checkpoint_dir, 'epoch': int(epoch.numpy()),
-                 'replicas': strategy.num_replicas_in_sync,
-                 'weights': [w.tolist() for w in multi_worker_model.get_weights()]}, f)
+    _dump(os.path.join(out, 'result_%s_%d_%d.json' % (task_type, task_id, num_epochs)),
+          {'restored': restored, 'log': log, 'is_chief': restored['is_chief'],
+           'write_checkpoint_dir': write_checkpoint_dir, 'epoch': int(epoch.numpy()),
+           'replicas': strategy.num_replicas_in_sync,
+           'weights': [w.tolist() for w in multi_worker_model.get_weights()]})
 ''')
 
 
