@@ -40,7 +40,14 @@ def test_ctrl_c_during_uneven_steps_is_a_clean_keyboard_interrupt():
             time.sleep(CASES[kind])
             process.send_signal(signal.SIGINT)
         for kind, process in processes.items():
-            _, err = process.communicate(timeout=120)
+            try:
+                _, err = process.communicate(timeout=120)
+            except subprocess.TimeoutExpired:  # still running after Ctrl-C: fail with every thread's stack
+                process.send_signal(signal.SIGUSR1)
+                time.sleep(2)
+                process.kill()
+                _, err = process.communicate()
+                raise AssertionError(f"{kind} still ran 120 s after Ctrl-C; its threads:\n{err[-8000:]}") from None
             assert process.returncode == -signal.SIGINT, (kind, process.returncode, err[-3000:])
             assert "KeyboardInterrupt" in err, (kind, err[-3000:])
             assert "terminate called" not in err and "FATAL" not in err, (kind, err[-3000:])

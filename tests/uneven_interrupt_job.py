@@ -8,6 +8,7 @@ Ctrl-C finds the caller waiting for that thread.  KIND ``compiled``: ``fit`` on 
 uneven step).  Prints STEP after every step, forever.
 """
 
+import faulthandler
 import os
 import signal
 import sys
@@ -16,6 +17,8 @@ import time
 # Ctrl-C as at a terminal: a job started in the background of a non-interactive shell (CI) inherits SIGINT
 # ignored, and Python then installs no KeyboardInterrupt handler.
 signal.signal(signal.SIGINT, signal.default_int_handler)
+# Every thread's stack on SIGUSR1: the test asks for it when a job outlives its Ctrl-C.
+faulthandler.register(signal.SIGUSR1, all_threads=True)
 
 os.environ["KERAS_BACKEND"] = "jax"
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
