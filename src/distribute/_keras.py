@@ -32,6 +32,7 @@ SUPPORTED_KERAS = ("3.15",)
 
 from keras.src import backend as keras_backend  # noqa: E402
 from keras.src import tree  # noqa: E402
+from keras.src.losses import loss as loss_module  # noqa: E402
 from keras.src.backend.common import global_state  # noqa: E402
 from keras.src.backend.common.stateless_scope import StatelessScope, get_stateless_scope  # noqa: E402
 from keras.src.backend.common.variables import Variable as KerasVariable  # noqa: E402
@@ -54,7 +55,7 @@ __all__ = [
     "BaseOptimizer", "BatchNormalization", "DataAdapter", "JAXTrainer", "JaxVariable", "KerasVariable", "Layer",
     "LossScaleOptimizer", "Metric", "Patch", "SeedGenerator", "StatelessScope", "Trainer", "copy_thread_state", "data_adapter_utils",
     "data_adapters", "get_stateless_scope", "global_state", "initialize_all_variables", "install", "installed",
-    "keras_backend", "per_thread", "placeholder_value", "rng_utils", "tree",
+    "keras_backend", "loss_module", "per_thread", "placeholder_value", "rng_utils", "tree",
 ]
 
 

@@ -3,7 +3,7 @@
 * ``BatchNormalization(synchronized=True)`` (Keras 3 allows it on TensorFlow
   only) computes its batch moments over every replica's rows, as TF's
   SyncBatchNormalization; an empty replica's moments are not NaN;
-* in an uneven step, an activity regularizer's loss is rescaled from Keras'
+* in an uneven step of ``strategy.run``, an activity regularizer's loss is rescaled from Keras'
   "divided by this replica's rows" to "divided by the global batch's rows", so
   the replicas' losses add up to one device's;
 * Keras' recurrent layers start their scan from per-replica states: inside the
@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from distribute import _context
+from distribute.keras_support import replica_loss
 
 
 def batch_norm_init(original):
@@ -89,8 +90,8 @@ def activity_regularizer_property(_original: Any) -> property:
     def get(self):
         regularizer = self.__dict__.get("_distribute_activity_regularizer")
         context = _context.current_replica_context()
-        if regularizer is None or context is None or context._global_rows is None:
-            return regularizer
+        if regularizer is None or context is None or context._global_rows is None or replica_loss.active():
+            return regularizer  # a fit step weights the whole loss, this term included, by the replica's rows
         if context._rows * context.num_replicas_in_sync == context._global_rows:
             return regularizer
         return _RescaledRegularizer(regularizer, context._rows, context._rows * context.num_replicas_in_sync / max(context._global_rows, 1))

@@ -39,10 +39,12 @@ from distribute._keras import (
     Trainer,
     install,
     keras_backend,
+    loss_module,
     per_thread,
 )
 from distribute.data.keras_adapter import GET_DATA_ADAPTER
 import distribute.keras_support.layers as layers
+import distribute.keras_support.replica_loss as replica_loss
 import distribute.keras_support.optimizers as optimizers
 import distribute.keras_support.variables as variables
 import distribute.keras_support.ps_hooks as ps_hooks
@@ -114,6 +116,12 @@ CORE: tuple[Patch, ...] = (
           "synchronized moments over every replica's rows; an empty replica's moments are not NaN"),
     Patch(Layer, "activity_regularizer", layers.activity_regularizer_property, None,
           "an activity loss of an uneven step is divided by the global batch's rows"),
+    # -- losses: what a replica's loss is in a fit step (replica_loss.py) --
+    Patch(loss_module, "reduce_values", replica_loss.reduce_values,
+          "(values, sample_weight=None, reduction='sum_over_batch_size')",
+          "in a fit step a loss reduced by sum or mean_with_sample_weight is the replica's estimate of the batch's"),
+    Patch(loss_module, "apply_mask", replica_loss.apply_mask, "(sample_weight, mask, dtype, reduction)",
+          "in a fit step a masked mean counts the valid entries of every replica"),
     Patch(Layer, "_losses", per_thread("_losses", list), None, "a call's losses, per replica thread"),
     Patch(Layer, "_loss_ids", per_thread("_loss_ids", set), None, "the same, their ids"),
     Patch(Layer, "_losses_override", per_thread("_losses_override", list), None,

@@ -10,10 +10,10 @@ step's replica threads.
 
 Exactness (results equal one device's):
 
-* the loss rows are weighted ``rows / N`` (N rows in the global batch), so with
-  Keras' ``sum_over_batch_size`` the replicas' losses add up to the loss of the
-  whole batch; gradients are summed over replicas;
-* losses added by layers (regularization) are divided by the replica count;
+* a replica's loss is what the model's ``compute_loss`` (Keras' own or an
+  override) returns for its rows, weighted ``n_r / N`` (``replica_loss.py``:
+  the one rule, and which losses it makes exact); gradients are summed over
+  replicas;
 * metric variables are summed over replicas (sync-on-read SUM); then every
   replica feeds the loss tracker the whole batch's loss (identical everywhere).
 """
@@ -29,37 +29,12 @@ import jax.numpy as jnp
 
 from distribute import _context
 from distribute._keras import data_adapter_utils, keras_backend, tree
-from distribute.keras_support import optimizers
+from distribute.keras_support import optimizers, replica_loss
 
 
 def _unpack(treedef: Any, local_leaves: list) -> tuple:
     data = jax.tree_util.tree_unflatten(treedef, local_leaves)
     return data_adapter_utils.unpack_x_y_sample_weight(data)
-
-
-def _loss_weight(context: Any, sample_weight: Any, rows: int) -> Any:
-    """Per-row loss weights ``rows / N`` (times the sample weights): the replicas' losses add up."""
-    scale = rows / max(context._global_rows, 1)
-    factor = jnp.full((rows,), scale, jnp.float32)
-
-    def combine(weight):
-        weight = jnp.asarray(weight, jnp.float32)
-        return factor.reshape(factor.shape + (1,) * (weight.ndim - 1)) * weight
-
-    return tree.map_structure(combine, sample_weight) if sample_weight is not None else factor
-
-
-def _check_reductions(model: Any) -> None:
-    compile_loss = getattr(model, "_compile_loss", None)
-    for entry in getattr(compile_loss, "_flat_losses", None) or []:
-        reduction = getattr(entry[1], "reduction", "sum_over_batch_size")
-        if reduction not in ("sum_over_batch_size", "mean"):
-            raise NotImplementedError(
-                f"Loss {getattr(entry[1], 'name', entry[1])!r} has reduction={reduction!r}; "
-                "distributed fit splits the loss between replicas exactly only for the "
-                "default reduction='sum_over_batch_size'. Use that reduction, or a custom "
-                "loop with strategy.run."
-            )
 
 
 _CAPTURE = threading.local()
@@ -100,46 +75,35 @@ def _capturing(tracker: Any, update_state: Any) -> Any:
     return capture
 
 
-def _loss(model, trainable, non_trainable, metrics_vars, x, y, loss_weight, training, num_replicas):
-    """This replica's share of the batch's loss; also returns the per-output losses (multi-output)."""
+def _loss(model, trainable, non_trainable, metrics_vars, x, y, sample_weight, training, context):
+    """This replica's share of the batch's loss (``replica_loss``'s rule); also its per-output shares (multi-output).
+
+    The model's ``compute_loss`` (Keras' own or an override) runs on the replica's rows with the
+    user's sample weights, as on one device; its result, weighted ``n_r / N``, is the replica's share.
+    An empty replica of an uneven step computes it too (a loss may meet the other replicas), then
+    drops it: its share is zero.
+    """
     kwargs = {"training": training} if model._call_has_training_arg else {}
-    y_pred, non_trainable, layer_losses = model.stateless_call(trainable, non_trainable, x, return_losses=True, **kwargs)
-    _check_reductions(model)
-    if _rows(x) == 0:
-        # A replica with no rows (an uneven step): no loss of its own (Keras' losses return
-        # an unreduced (0,) array there); it still adds its share of the layers' losses.
-        trackers = getattr(getattr(model, "_compile_loss", None), "metrics", None) or []
-        loss = sum((jnp.sum(l) / num_replicas for l in layer_losses), jnp.zeros((), jnp.float32))
+    rows = _rows(x)
+    with replica_loss.replica_share(context, rows) as share:
+        y_pred, non_trainable, layer_losses = model.stateless_call(trainable, non_trainable, x, return_losses=True, **kwargs)
+        if layer_losses:
+            model._losses_override = layer_losses
+        try:
+            with _capturing_output_losses(model) as output_losses:
+                loss, (trainable, non_trainable, metrics_vars) = model.stateless_compute_loss(
+                    trainable, non_trainable, metrics_vars, x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=training
+                )
+        finally:
+            if layer_losses:
+                model._losses_override = []
+    if rows == 0:
         # Depend on the (empty) outputs, so the backward pass meets the other replicas at
         # every collective of the forward pass (synchronized BatchNorm).
-        loss = loss + sum(jnp.sum(p).astype(jnp.float32) for p in tree.flatten(y_pred))
-        return loss, y_pred, non_trainable, metrics_vars, [jnp.zeros((), jnp.float32) for _ in trackers]
-    if layer_losses:
-        # Every replica adds the layers' losses; each adds its share.
-        model._losses_override = [loss / num_replicas for loss in layer_losses]
-    loss_weight = _to_output_rank(loss_weight, y_pred)
-    with _capturing_output_losses(model) as output_losses:
-        loss, (trainable, non_trainable, metrics_vars) = model.stateless_compute_loss(
-            trainable, non_trainable, metrics_vars, x=x, y=y, y_pred=y_pred, sample_weight=loss_weight, training=training
-        )
-    if layer_losses:
-        model._losses_override = []
-    return loss, y_pred, non_trainable, metrics_vars, output_losses
-
-
-def _to_output_rank(loss_weight: Any, y_pred: Any) -> Any:
-    """Per-row loss weights ``(rows,)`` as ``(rows, 1, ...)``: the rank of the per-example losses of the
-    highest-rank output (a loss reduces the last axis), so they broadcast over its other axes.
-
-    Keras matches a weight to the losses only when their ranks differ by one and a last axis is 1: a
-    ``(rows,)`` weight against per-timestep losses ``(rows, steps)`` (``TimeDistributed`` outputs, a mask
-    that reaches the loss, ``BatchNormalization`` on rank-3 inputs) is a broadcasting error there, where
-    TF's Keras broadcasts it.
-    """
-    if not isinstance(loss_weight, jax.Array) or loss_weight.ndim != 1:
-        return loss_weight
-    rank = max((getattr(p, "ndim", 1) for p in tree.flatten(y_pred)), default=1) - 1
-    return loss_weight.reshape(loss_weight.shape + (1,) * max(rank - 1, 0))
+        loss = sum((jnp.sum(p).astype(jnp.float32) for p in tree.flatten(y_pred)), jnp.zeros((), jnp.float32))
+        return loss, y_pred, non_trainable, metrics_vars, [jnp.zeros((), jnp.float32) for _ in output_losses]
+    weight = jnp.asarray(share, jnp.result_type(loss))
+    return loss * weight, y_pred, non_trainable, metrics_vars, [None if v is None else v * share for v in output_losses]
 
 
 def _rows(x: Any) -> int:
@@ -190,15 +154,13 @@ def _update_metrics(model, context, start_vars, metrics_vars, loss, output_losse
 
 def train_step(model: Any, strategy: Any, variables: list, treedef: Any):
     """One replica's training step; ``variables`` = [trainable, non_trainable, optimizer, metrics]."""
-    num_replicas = strategy.num_replicas_in_sync
 
     def local(trainable, non_trainable, opt_vars, metrics_vars, leaves):
         context = _context.current_replica_context()
         x, y, sample_weight = _unpack(treedef, leaves)
-        loss_weight = _loss_weight(context, sample_weight, leaves[0].shape[0])
 
         def loss_fn(trainable_):
-            loss, y_pred, non_trainable_, metrics_, output_losses = _loss(model, trainable_, non_trainable, metrics_vars, x, y, loss_weight, True, num_replicas)
+            loss, y_pred, non_trainable_, metrics_, output_losses = _loss(model, trainable_, non_trainable, metrics_vars, x, y, sample_weight, True, context)
             scaled = loss
             if model.optimizer is not None:
                 mapping = list(zip(model.optimizer.variables, opt_vars))
@@ -232,13 +194,11 @@ def train_step(model: Any, strategy: Any, variables: list, treedef: Any):
 
 def test_step(model: Any, strategy: Any, variables: list, treedef: Any):
     """One replica's evaluation step; ``variables`` = [trainable, non_trainable, metrics]."""
-    num_replicas = strategy.num_replicas_in_sync
 
     def local(trainable, non_trainable, metrics_vars, leaves):
         context = _context.current_replica_context()
         x, y, sample_weight = _unpack(treedef, leaves)
-        loss_weight = _loss_weight(context, sample_weight, leaves[0].shape[0])
-        loss, y_pred, new_non_trainable, new_metrics, output_losses = _loss(model, trainable, non_trainable, metrics_vars, x, y, loss_weight, False, num_replicas)
+        loss, y_pred, new_non_trainable, new_metrics, output_losses = _loss(model, trainable, non_trainable, metrics_vars, x, y, sample_weight, False, context)
         return loss, new_non_trainable, _compiled_metrics(model, new_metrics, x, y, y_pred, sample_weight), output_losses
 
     def step(state, leaves):

@@ -66,13 +66,8 @@ def _split(strategy: Any, data: Any) -> tuple[Any, list[np.ndarray], np.ndarray 
     return treedef, leaves, split_counts(num_rows, num_replicas)
 
 
-def _check_supported(model: Any, method: str) -> None:
-    if getattr(type(model), method) is not getattr(JAXTrainer, method):
-        raise NotImplementedError(
-            f"{type(model).__name__} overrides {method}; distributed fit/evaluate/predict run "
-            "Keras' own step on every replica. Use a custom loop with strategy.run for a custom "
-            f"{method}, or drop the override."
-        )
+def _overridden(model: Any, method: str) -> bool:
+    return getattr(type(model), method) is not getattr(JAXTrainer, method)
 
 
 def _state_variables(model, parts):
@@ -288,6 +283,74 @@ class _StepRunner:
         return results[0][0], state
 
 
+class _WholeBatchRunner:
+    """Runs an overridden ``train_step`` / ``test_step`` / ``predict_step`` as one program over the global batch.
+
+    Keras 3's JAX trainer hands ``<kind>_step(state, data)`` the whole batch and the state's
+    arrays; the user's step calls ``stateless_call``, ``jax.value_and_grad``,
+    ``optimizer.stateless_apply``, ``metric.stateless_update_state`` on them (keras.io,
+    "Customizing what happens in fit() with JAX"). It runs here as Keras' own ``DataParallel``
+    runs it: one ``jax.jit`` program over the global batch, the batch split along its first dim
+    over the replicas' devices (``P("replica")``), the state kept where the strategy stores it
+    (replicated, or split: sharded state); XLA's partitioner places the collectives. The user's
+    code needs none, and its results are one device's by construction: the loss is the global
+    batch's, random numbers are one device's stream, metrics count every row once. A batch
+    whose rows do not split evenly (fit's last) is placed whole on every replica.
+
+    Why not the replica steps of ``steps.py``: a user's step sees its data and gradients, not
+    a loss this package could weight (``replica_loss.py``), so every value it computes from the
+    batch (its loss tracker, a hand-written mean) would need the replicas' totals; one program
+    over the global batch needs nothing of the step.
+    """
+
+    def __init__(self, model: Any, strategy: Any, kind: str, variables: list):
+        self.model, self.strategy, self.kind, self.variables = model, strategy, kind, [v for part in variables for v in part]
+        self.cache: dict = {}
+
+    def __call__(self, state: Any, iterator: Any) -> tuple[list, Any]:
+        steps = max(int(self.model.steps_per_execution), 1)
+        outputs = []
+        try:
+            for index in range(steps):
+                try:
+                    data = next(iterator)
+                except StopIteration:
+                    if index == 0:
+                        raise
+                    break
+                leaves, treedef = jax.tree_util.tree_flatten(data)
+                placed = [self._place(np.asarray(x)) for x in leaves]
+                result, state = self._program(treedef, placed, state)(state, placed)
+                self.strategy.extended.record_dispatch(result)
+                outputs.append(result)
+        except BaseException:
+            _restore_purged(self.variables, state)
+            raise
+        return outputs, state
+
+    def _place(self, value: np.ndarray) -> jax.Array:
+        mesh = self.strategy.extended.replica_mesh
+        even = value.ndim > 0 and value.shape[0] % len(mesh.devices) == 0
+        sharding = mesh.per_replica_sharding if even else mesh.replicated_sharding
+        return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
+
+    def _program(self, treedef: Any, placed: list, state: Any) -> Any:
+        key = (treedef, tuple((p.shape, p.dtype, p.sharding) for p in placed))
+        if key not in self.cache:
+            step = getattr(self.model, f"{self.kind}_step")
+            state_shardings = jax.tree_util.tree_map(lambda a: a.sharding, state)
+
+            def program(state, leaves):
+                result = step(state, jax.tree_util.tree_unflatten(treedef, leaves))
+                if self.kind == "predict":  # Keras' predict_step returns (outputs, non_trainable_variables)
+                    return result[0], (state[0], result[1])
+                return result
+
+            replicated = self.strategy.extended.replica_mesh.replicated_sharding
+            self.cache[key] = jax.jit(program, donate_argnums=(0,), out_shardings=(replicated, state_shardings))
+        return self.cache[key]
+
+
 def _restore_purged(variables: list, state: Any) -> None:
     """Gives back the values Keras took out of the variables for the loop, after a failed step.
 
@@ -320,25 +383,30 @@ _KINDS = {
 
 
 def make_function(model, strategy, force, kind: str):
-    """Builds ``model.<kind>_function(state, iterator) -> (logs or outputs, state)``."""
+    """Builds ``model.<kind>_function(state, iterator) -> (logs or outputs, state)``.
+
+    Keras' own step runs on every replica (``steps.py``); an overridden ``<kind>_step`` runs as
+    one program over the global batch (``_WholeBatchRunner``).
+    """
     attribute = f"{kind}_function"
     if getattr(model, attribute) is not None and not force:
         return getattr(model, attribute)
-    _check_supported(model, f"{kind}_step")
     parts, build = _KINDS[kind]
     variables = _state_variables(model, parts)
+    if _overridden(model, f"{kind}_step"):
+        runner: Any = _WholeBatchRunner(model, strategy, kind, variables)
+    else:
+        runner = _StepRunner(model, strategy, lambda treedef: build(model, strategy, variables, treedef), variables,
+                             per_replica_result=kind == "predict", multi_step=kind != "predict")
     if kind == "predict":
-        runner = _StepRunner(model, strategy, lambda treedef: build(model, strategy, variables, treedef), variables, per_replica_result=True, multi_step=False)
 
         def function(state, iterator):
             outputs, state = runner(state, iterator)
-            pieces = outputs
-            if len(pieces) == 1:
-                return pieces[0], state
-            return tree.map_structure(lambda *p: np.concatenate(p), *pieces), state
+            if len(outputs) == 1:
+                return tree.map_structure(np.asarray, outputs[0]), state
+            return tree.map_structure(lambda *p: np.concatenate(p), *outputs), state
 
     else:
-        runner = _StepRunner(model, strategy, lambda treedef: build(model, strategy, variables, treedef), variables)
 
         def function(state, iterator):
             outputs, state = runner(state, iterator)
