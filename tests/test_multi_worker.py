@@ -57,6 +57,44 @@ def keras_fit(strategy):
     return [w.tolist() for w in model.get_weights()], history.history["loss"][-1], predictions.tolist()
 
 
+def overrides_fit(strategy):
+    """Keras 3's ways of customizing fit (issue 25): a compute_loss override of plain ops and the keras.io JAX
+    ``train_step`` override; 37 rows by 8 (the last step uneven). ``strategy`` None: one device."""
+    import contextlib
+
+    import jax
+    import keras
+
+    class PlainLoss(keras.Sequential):
+        def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
+            return keras.ops.mean(keras.ops.square(keras.ops.one_hot(y, 2) - keras.ops.softmax(y_pred)))
+
+    class OwnStep(keras.Sequential):
+        def train_step(self, state, data):
+            trainable, non_trainable, optimizer_variables, metrics_variables = state
+            x, y = data
+
+            def loss_fn(trainable):
+                y_pred, new_non_trainable = self.stateless_call(trainable, non_trainable, x, training=True)
+                return self.compute_loss(x, y, y_pred), new_non_trainable
+
+            (loss, new_non_trainable), grads = jax.value_and_grad(loss_fn, has_aux=True)(trainable)
+            trainable, optimizer_variables = self.optimizer.stateless_apply(optimizer_variables, grads, trainable)
+            tracker = self.metrics[0]
+            metrics_variables = tracker.stateless_update_state(metrics_variables[: len(tracker.variables)], loss)
+            return {"loss": tracker.stateless_result(metrics_variables)}, (trainable, new_non_trainable, optimizer_variables, metrics_variables)
+
+    x, y = fit_data()
+    out = {}
+    for cls in (PlainLoss, OwnStep):
+        with strategy.scope() if strategy is not None else contextlib.nullcontext():
+            model = cls(build_model().layers)
+            model.compile(optimizer=keras.optimizers.SGD(0.1), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        history = model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+        out[cls.__name__] = {"weights": [np.asarray(w).tolist() for w in model.get_weights()], "loss": history.history["loss"]}
+    return out
+
+
 def custom_loop(strategy, tape=False):
     """The custom loop (37 rows by 8: the last step uneven, eager across workers); ``tape``: written with
     distribute.GradientTape as TF writes it, else with distribute.compute_gradients."""
@@ -256,6 +294,7 @@ def _worker(scenario: str, out_dir: str) -> None:
     if scenario == "full":
         out["run"] = run_reduce_gather(strategy)
         out["fit_weights"], out["fit_loss"], out["predictions"] = keras_fit(strategy)
+        out["overrides"] = overrides_fit(strategy)
         out["loop_weights"], out["loop_losses"] = custom_loop(strategy)
         out["tape_loop_weights"], out["tape_loop_losses"] = custom_loop(strategy, tape=True)
     pathlib.Path(out_dir, f"worker{me}.json").write_text(json.dumps(out))
@@ -345,6 +384,16 @@ def test_keras_fit_equals_single_process(two_by_two, four_replicas):
             np.testing.assert_allclose(got, want, rtol=RTOL, atol=1e-7)
         np.testing.assert_allclose(worker["fit_loss"], loss, rtol=RTOL)
         np.testing.assert_allclose(worker["predictions"], predictions, rtol=RTOL, atol=1e-6)
+
+
+def test_fit_overrides_equal_one_device(two_by_two):
+    want = overrides_fit(None)
+    for worker in two_by_two:
+        for name, expected in want.items():
+            got = worker["overrides"][name]
+            np.testing.assert_allclose(got["loss"], expected["loss"], rtol=RTOL, err_msg=name)
+            for a, b in zip(got["weights"], expected["weights"]):
+                np.testing.assert_allclose(a, b, rtol=RTOL, atol=1e-7, err_msg=name)
 
 
 def test_custom_loop_equals_single_process(two_by_two, four_replicas):

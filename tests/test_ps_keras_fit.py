@@ -307,3 +307,39 @@ def test_a_second_fit_reuses_the_traced_programs(one_worker, monkeypatch):
     for got, expected in zip(model.get_weights(), reference.get_weights()):
         np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
     assert len(history.history["loss"]) == 2
+
+
+class _PlainLossNoTrainingArg(keras.Sequential):
+    """A compute_loss override with plain ops and no ``training`` argument (keras.io's Distiller signature)."""
+
+    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, allow_empty=False):
+        return keras.ops.mean(keras.ops.square(y - y_pred)) + 0.1 * keras.ops.mean(keras.ops.abs(y_pred))
+
+
+class _OwnTrainStep(keras.Sequential):
+    def train_step(self, state, data):
+        return super().train_step(state, data)
+
+
+def test_compute_loss_override_runs_and_train_step_override_is_refused(one_worker):
+    x, y = _data()
+
+    def build(cls):
+        keras.utils.set_random_seed(1)
+        model = cls([keras.Input((4,)), keras.layers.Dense(1)])
+        model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+        return model
+
+    with one_worker.scope():
+        model = build(_PlainLossNoTrainingArg)
+    history = model.fit(x, y, batch_size=8, epochs=2, steps_per_epoch=8, shuffle=False, verbose=0)
+    reference = build(_PlainLossNoTrainingArg)
+    want = reference.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    np.testing.assert_allclose(history.history["loss"], want.history["loss"], rtol=1e-5)
+    for got, expected in zip(model.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+
+    with one_worker.scope():
+        custom = build(_OwnTrainStep)
+    with pytest.raises(NotImplementedError, match="overrides train_step.*compute_loss instead"):
+        custom.fit(x, y, batch_size=8, epochs=1, steps_per_epoch=8, verbose=0)

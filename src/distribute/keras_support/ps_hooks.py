@@ -36,7 +36,7 @@ from typing import Any
 import jax.numpy as jnp
 
 from distribute import _context
-from distribute._keras import BaseOptimizer, KerasVariable, get_stateless_scope, initialize_all_variables, keras_backend
+from distribute._keras import BaseOptimizer, JAXTrainer, KerasVariable, get_stateless_scope, initialize_all_variables, keras_backend
 from distribute.lifting import LiftingScope
 from distribute.strategy import CoordinatedStrategy
 
@@ -233,10 +233,21 @@ def _holds_optimizer(value: Any) -> bool:
     return isinstance(value, (list, tuple)) and any(isinstance(v, BaseOptimizer) for v in value)
 
 
+_STEP_OF = {"fit": "train_step", "evaluate": "test_step", "predict": "predict_step"}
+
+
 def route_under_ps(original, name: str):
     def method(self, *args, **kwargs):
         strategy = self.__dict__.get("_distribute_strategy")
         if isinstance(strategy, CoordinatedStrategy):
+            step = _STEP_OF[name]
+            if getattr(type(self), step) is not getattr(JAXTrainer, step):
+                raise NotImplementedError(
+                    f"{type(self).__name__} overrides {step}; under ParameterServerStrategy, {name} runs Keras' own "
+                    f"step on the workers (each update applied by the ps). Override compute_loss instead (it runs "
+                    f"there), or write the step as a custom loop: coordinator.schedule of a function that calls "
+                    f"strategy.run (docs/guides/parameter_servers.md)."
+                )
             return getattr(strategy.extended, f"keras_{name}")(self, args, kwargs)
         return original(self, *args, **kwargs)
 
@@ -297,7 +308,7 @@ def fit_replica_fn(model: Any) -> Any:
     def replica_fn(x, y, sample_weight):
         def loss_fn():
             y_pred = model(x, training=True)
-            loss = model.compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True)
+            loss = model._compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True)
             return optimizer.scale_loss(loss), (loss, y_pred)
 
         (_, (loss, y_pred)), grads = compute_gradients(loss_fn, model.trainable_variables, has_aux=True)
@@ -317,7 +328,7 @@ def test_replica_fn(model: Any) -> Any:
 
     def replica_fn(x, y, sample_weight):
         y_pred = model(x, training=False)
-        loss = model.compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=False)
+        loss = model._compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=False)
         _update_metrics(model, loss, x, y, y_pred, sample_weight)
         return loss
 
