@@ -105,8 +105,8 @@ def activity_regularizer_property(_original: Any) -> property:
 class _RescaledRegularizer:
     """An activity regularizer whose loss is multiplied by ``factor`` on outputs of this replica's rows.
 
-    Keras divides an activity loss by the output's rows ``n_r`` and distributed
-    steps divide layer losses by the replica count ``R``; ``factor = n_r R / N``
+    Keras divides an activity loss by the output's rows ``n_r`` and a custom loop divides
+    layer losses by the replica count ``R`` (``scale_regularization_loss``); ``factor = n_r R / N``
     makes each replica's share ``regularizer(its rows) / N``, so the shares add up
     to one device's ``regularizer(all rows) / N``.
     """

@@ -9,11 +9,14 @@ the per-step functions are replaced by SPMD programs over the strategy's mesh:
   batch runs as one SPMD program, an uneven one (the last, partial batch) as
   the exact uneven step (``uneven.py``: every replica on its real rows), so
   results equal one device's;
-* each replica's loss is weighted so that the sum over replicas is the loss of
-  the whole batch (``sum_over_batch_size``: rows weighted ``b / N``); gradients
-  are summed across replicas; regularization losses are divided by the number of
-  replicas; the loss tracker and compiled metrics count real rows only;
-* variables stay replicated (``ReplicaContext._combine_all``).
+* each replica's loss is its ``compute_loss`` result weighted by its share of
+  the batch's rows (``replica_loss.py``: one rule, Keras' own loss and
+  overrides alike), so the sum over replicas is the loss of the whole batch;
+  gradients are summed across replicas; the loss tracker and compiled metrics
+  count real rows only;
+* variables stay replicated (``ReplicaContext._combine_all``);
+* a model that overrides ``train_step`` / ``test_step`` / ``predict_step`` runs
+  the override as one program over the global batch (``_WholeBatchRunner``).
 
 Beyond TF: TF's Keras averages each replica's mean loss, so an uneven last
 batch gives a slightly different answer there; here it is exact.
