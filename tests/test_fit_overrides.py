@@ -106,9 +106,9 @@ def _build(case: str):
     return model
 
 
-def _train(case: str, num_replicas: int | None):
+def _train(case: str, num_replicas: int | None, sharding=None):
     keras.utils.set_random_seed(1)
-    strategy = _strategy(num_replicas)
+    strategy = _strategy(num_replicas, sharding)
     with _scope(strategy):
         model = _build(case)
     y = LABELS if case == "distiller" else Y
@@ -124,6 +124,21 @@ CASES = ["plain_ops", "super_plus_term", "distiller", "reduction_sum", "mean_wit
 @pytest.fixture(scope="module")
 def one_device():
     return {case: _train(case, None) for case in CASES}
+
+
+def _assert_equal_one_device(got, reference):
+    history, evaluated, weights = got
+    for key in reference[0]:
+        np.testing.assert_allclose(history[key], reference[0][key], rtol=1e-5, err_msg=key)
+    np.testing.assert_allclose(evaluated, reference[1], rtol=1e-5)
+    for got_weight, want in zip(weights, reference[2]):
+        np.testing.assert_allclose(got_weight, want, rtol=1e-5, atol=1e-6)
+
+
+def test_compute_loss_override_under_sharded_state_equals_one_device(one_device):
+    """Slots and gradients split over 4 replicas (ZeRO-2): the loss rule is the same."""
+    got = _train("super_plus_term", 4, distribute.experimental.Sharding.GRADIENTS)
+    _assert_equal_one_device(got, one_device["super_plus_term"])
 
 
 @pytest.mark.parametrize("num_replicas", [1, 2, 4])
