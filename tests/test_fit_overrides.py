@@ -106,15 +106,15 @@ def _build(case: str):
     return model
 
 
-def _train(case: str, num_replicas: int | None, sharding=None):
+def _train(case: str, num_replicas: int | None, sharding=None, rows: int = ROWS):
     keras.utils.set_random_seed(1)
     strategy = _strategy(num_replicas, sharding)
     with _scope(strategy):
         model = _build(case)
-    y = LABELS if case == "distiller" else Y
-    weights = SAMPLE_WEIGHT if case in ("super_plus_term", "reduction_sum", "mean_with_sample_weight") else None
-    history = model.fit(X, y, sample_weight=weights, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0)
-    evaluated = model.evaluate(X, y, sample_weight=weights, batch_size=BATCH, verbose=0)
+    x, y = X[:rows], (LABELS if case == "distiller" else Y)[:rows]
+    weights = SAMPLE_WEIGHT[:rows] if case in ("super_plus_term", "reduction_sum", "mean_with_sample_weight") else None
+    history = model.fit(x, y, sample_weight=weights, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0)
+    evaluated = model.evaluate(x, y, sample_weight=weights, batch_size=BATCH, verbose=0)
     return history.history, evaluated, [np.asarray(w) for w in model.get_weights()]
 
 
@@ -139,6 +139,13 @@ def test_compute_loss_override_under_sharded_state_equals_one_device(one_device)
     """Slots and gradients split over 4 replicas (ZeRO-2): the loss rule is the same."""
     got = _train("super_plus_term", 4, distribute.experimental.Sharding.GRADIENTS)
     _assert_equal_one_device(got, one_device["super_plus_term"])
+
+
+@pytest.mark.parametrize("case", ["plain_ops", "mean_with_sample_weight"])
+def test_a_last_batch_with_empty_replicas_equals_one_device(case):
+    """17 rows by 8 at 4 replicas: the last batch's one row on replica 0, replicas 1-3 empty (they still
+    meet the others where the loss sums every replica's weights)."""
+    _assert_equal_one_device(_train(case, 4, rows=17), _train(case, None, rows=17))
 
 
 @pytest.mark.parametrize("num_replicas", [1, 2, 4])

@@ -119,7 +119,8 @@ CORE: tuple[Patch, ...] = (
     # -- losses: what a replica's loss is in a fit step (replica_loss.py) --
     Patch(loss_module, "reduce_values", replica_loss.reduce_values,
           "(values, sample_weight=None, reduction='sum_over_batch_size')",
-          "in a fit step a loss reduced by sum or mean_with_sample_weight is the replica's estimate of the batch's"),
+          "in a fit step a loss reduced by sum or mean_with_sample_weight is the replica's estimate of the batch's; "
+          "in strategy.run a mean is scaled for the sum over replicas (TF's scale_loss_for_distribution)"),
     Patch(loss_module, "apply_mask", replica_loss.apply_mask, "(sample_weight, mask, dtype, reduction)",
           "in a fit step a masked mean counts the valid entries of every replica"),
     Patch(Layer, "_losses", per_thread("_losses", list), None, "a call's losses, per replica thread"),

@@ -28,6 +28,12 @@ made estimates here, while a fit step's loss is computed (``reduce_values`` and
 * a mask with ``sum_over_batch_size``: the valid entries counted over every
   replica, as one device counts them.
 
+Inside ``strategy.run`` (a custom loop), a Keras ``Loss`` reduced to a mean over the
+replica's rows (``sum_over_batch_size``, ``mean_with_sample_weight``) is scaled for the sum
+over replicas, as Keras 3 on TF scales it (``scale_loss_for_distribution``: divided by the
+replica count), but by the replica's rows ``n_r / N`` where they are known (exact on uneven
+batches, as ``compute_average_loss``); ``reduction="sum"`` is left as it is, as TF.
+
 A term that is neither (a ``keras.ops.sum`` over rows in a ``compute_loss``
 override, a batch statistic other than a mean) gives the row-weighted mean of
 the replicas' values; TF's Keras gives their plain mean (it divides every
@@ -41,6 +47,8 @@ import threading
 from typing import Any, Iterator
 
 import jax.numpy as jnp
+
+from distribute import _context
 
 _ACTIVE = threading.local()  # per thread: an uneven step runs each replica in a thread of its own
 
@@ -76,8 +84,11 @@ def reduce_values(original: Any) -> Any:
 
     def reduce(values, sample_weight=None, reduction="sum_over_batch_size"):
         state = getattr(_ACTIVE, "value", None)
-        if state is None or reduction is None or reduction == "none" or tuple(values.shape) == ():
+        if reduction is None or reduction == "none" or tuple(values.shape) == ():
             return original(values, sample_weight, reduction)
+        if state is None:
+            loss = original(values, sample_weight, reduction)
+            return loss if reduction == "sum" else _scaled_for_run(loss, values)
         share, context = state
         total = jnp.sum(values)
         if reduction == "mean_with_sample_weight" and sample_weight is not None:
@@ -91,6 +102,25 @@ def reduce_values(original: Any) -> Any:
         return total / jnp.asarray(values.size, total.dtype)  # sum_over_batch_size, mean
 
     return reduce
+
+
+def _scaled_for_run(loss: Any, values: Any) -> Any:
+    """A mean reduced inside ``strategy.run``'s replica function, scaled for the sum over replicas.
+
+    Keras 3 on TF divides it by the replica count (``scale_loss_for_distribution``), so that
+    summing the replicas' losses and gradients gives the global batch's mean. Here it is
+    weighted by the replica's rows when they are known (``n_r / N``, as ``compute_average_loss``
+    does: exact on uneven batches), else divided by the replica count, as TF.
+    """
+    context = _context.current_replica_context()
+    if context is None or context.num_replicas_in_sync == 1 or not context._in_program:
+        return loss
+    rows, global_rows = context._rows, context._global_rows
+    if global_rows and values.ndim and values.shape[0] == rows:
+        share = rows / global_rows
+    else:
+        share = 1.0 / context.num_replicas_in_sync
+    return loss * jnp.asarray(share, loss.dtype)
 
 
 def apply_mask(original: Any) -> Any:
