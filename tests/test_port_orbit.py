@@ -285,3 +285,63 @@ def test_controller_two_replicas_equal_one_device():
             np.testing.assert_allclose(float(a[key]), float(b[key]), rtol=1e-5)  # TF's own 2-vs-1: 2.7e-6
     for a, b in zip(two.model.get_weights(), one.model.get_weights()):
         np.testing.assert_allclose(a, b, rtol=1e-6)
+
+
+# -- orbit/examples/single_task/single_task_trainer_test.py -----------------------------------
+# TF 2.21, tests/parity/record_tf_orbit.py single_task: the train loss after controller.train(1) and
+# after controller.train(500), and the last layer's bias, with the plain dataset (every replica gets
+# the whole batch, as TF's strategy.run with a non-distributed input) and with
+# strategy.experimental_distribute_dataset(train_ds) (16 rows per replica; 11 | 11 at each epoch's end).
+TF_SINGLE_TASK = {
+    "plain": {"start_loss": 1.1086153984069824, "end_loss": 0.33734074234962463,
+              "last_bias": [0.38716375827789307, 0.19790209829807281, -0.28601598739624023]},
+    "distributed": {"start_loss": 1.1086153984069824, "end_loss": 0.33734065294265747,
+                    "last_bias": [0.38716375827789307, 0.19790209829807281, -0.286016047000885]},
+}
+
+
+def _iris():
+    from sklearn.datasets import load_iris
+
+    data = load_iris()
+    return {"features": data.data.astype(np.float32), "label": data.target.astype(np.int32)}
+
+
+def _single_task(strategy, distributed):
+    with _in(strategy):
+        train_ds = distribute.data.Dataset.from_tensor_slices(_iris()).batch(32).repeat()
+        if distributed:
+            train_ds = distribute.get_strategy().experimental_distribute_dataset(train_ds)
+        model = keras.Sequential([
+            keras.Input(shape=(4,), name="features"),
+            keras.layers.Dense(10, activation="relu"),  # was tf.nn.relu
+            keras.layers.Dense(10, activation="relu"),
+            keras.layers.Dense(3),
+            keras.layers.Softmax(),
+        ])
+        model.set_weights(initial_weights([(4, 10), (10,), (10, 10), (10,), (10, 3), (3,)], 1))
+        trainer = orbit.SingleTaskTrainer(
+            train_ds, label_key="label", model=model,
+            loss_fn=keras.losses.sparse_categorical_crossentropy,
+            optimizer=keras.optimizers.SGD(learning_rate=0.01))
+        controller = orbit.Controller(trainer=trainer, steps_per_loop=100, global_step=trainer.optimizer.iterations)
+        controller.train(1)
+        start_loss = float(trainer.train_loss.result())
+        controller.train(500)
+        end_loss = float(trainer.train_loss.result())
+    return start_loss, end_loss, model.get_weights()
+
+
+@pytest.mark.parametrize("distributed", [False, True], ids=["plain", "distributed"])
+def test_single_task_trainer_pops_the_label_in_the_tape_block_and_gives_tf_values(distributed):
+    """The trainer's ``inputs.pop(self.label_key)`` inside ``with tape:`` (KeyError before the fix), 501
+    steps under MirroredStrategy(2): TF 2.21's losses, and one device's weights."""
+    start_loss, end_loss, weights = _single_task(mirrored(2), distributed)
+    assert end_loss < start_loss / 2  # the test's own assertion
+    expected = TF_SINGLE_TASK["distributed" if distributed else "plain"]
+    np.testing.assert_allclose([start_loss, end_loss], [expected["start_loss"], expected["end_loss"]], rtol=1e-5)
+    np.testing.assert_allclose(weights[-1], expected["last_bias"], rtol=1e-4, atol=1e-6)
+    one = _single_task(None, distributed)
+    np.testing.assert_allclose([start_loss, end_loss], one[:2], rtol=1e-5)
+    for a, b in zip(weights, one[2]):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
