@@ -142,6 +142,59 @@ def record_single_task():
 SECTIONS = {"standard_runner": record_standard_runner, "controller": record_controller,
             "single_task": record_single_task}
 
+# -- official/legacy/bert/model_training_utils_test.py --------------------------------------------
+def record_bert():
+    import tempfile
+
+    from official.legacy.bert import model_training_utils, model_training_utils_test as mtu_test
+
+    out = {}
+    for where, strategy in strategies().items():
+        for scalar_loss in (False, True):
+            np.random.seed(0)  # the test's np.random data, made in each _dataset_fn call
+            built = {}
+
+            def model_fn():
+                model, sub_model = mtu_test.create_model_fn(input_shape=[128], num_classes=3)()
+                model.set_weights(initial_weights([(128, 3), (3,), (3, 3), (3,)], 2))
+                built["model"] = model
+                return model, sub_model
+
+            def input_fn(input_context=None):  # the test's, without shuffle(64) (its order is TF's RNG)
+                local_batch_size = input_context.get_per_replica_batch_size(8)
+                features = np.random.rand(64, 128)
+                labels = np.random.randint(2, size=[64, 3])
+                dataset = tf.data.Dataset.from_tensor_slices((features, labels))
+                dataset = dataset.shard(input_context.num_input_pipelines, input_context.input_pipeline_id)
+                dataset = dataset.map(lambda f, l: (tf.cast(f, tf.float32), tf.cast(l, tf.float32)))
+                return dataset.repeat().batch(local_batch_size, drop_remainder=True).prefetch(64)
+
+            def loss_fn(labels, outputs):
+                # tf.identity: tf_keras' categorical_crossentropy would read the softmax's logits off the
+                # output tensor (unclipped); Keras 3's, which the port uses, clips the probabilities.
+                loss = tf_keras.losses.categorical_crossentropy(labels, tf.identity(outputs))
+                return tf.reduce_mean(loss) if scalar_loss else loss
+
+            callback = mtu_test.RecordingCallback()
+            model_dir = tempfile.mkdtemp()
+            model_training_utils.run_customized_training_loop(
+                strategy=strategy, model_fn=model_fn, loss_fn=loss_fn, model_dir=model_dir,
+                steps_per_epoch=20, num_eval_per_epoch=4, steps_per_loop=10, epochs=2,
+                train_input_fn=input_fn, eval_input_fn=input_fn, eval_steps=10, init_checkpoint=None,
+                metric_fn=mtu_test.metric_fn, custom_callbacks=[callback], run_eagerly=False)
+            with open(os.path.join(model_dir, "summaries", "training_summary.txt")) as f:
+                summary = json.load(f)
+            out[f"{where}_scalar_loss_{scalar_loss}"] = {
+                "summary": summary,
+                "batch_end": [[int(b), {k: float(v) for k, v in logs.items()}] for b, logs in callback.batch_end],
+                "epoch_end": [[int(e), {k: float(v) for k, v in logs.items()}] for e, logs in callback.epoch_end],
+                "weights": jl(built["model"].get_weights())}
+    return out
+
+
+SECTIONS["bert"] = record_bert
+
+
 if __name__ == "__main__":
     with contextlib.redirect_stdout(sys.stderr):  # orbit's Controller prints its log lines
         for name, fn in SECTIONS.items():
