@@ -112,3 +112,28 @@ def test_second_order_replays_also_start_from_the_arguments_as_received():
 
     dy, d2y = step({"x": np.float32(2.0)})
     assert (float(dy), float(d2y)) == (54.0, 36.0)
+
+
+
+def test_copy_structure_copies_every_container_keeps_leaves_and_aliasing():
+    """The copy the run again starts from (_invocation.copy_structure): new containers at every depth,
+    the same leaf objects, a container given twice copied once (as copy.deepcopy's memo)."""
+    import collections
+
+    from distribute._invocation import copy_structure
+
+    model = keras.Sequential([keras.layers.Dense(1)])
+    shared = {"x": np.ones(2, np.float32)}
+    Pair = collections.namedtuple("Pair", "a b")
+    original = ([shared, shared], {"pair": Pair([1], (2, [3])), "model": model, "set": {1}},
+                collections.defaultdict(list, k=[4]))
+    copied = copy_structure(original)
+    assert copied[0][0] is copied[0][1] and copied[0][0] is not shared
+    assert copied[0][0]["x"] is not shared["x"] and np.array_equal(copied[0][0]["x"], shared["x"])
+    assert copied[1]["model"] is model  # an object that is not a container: the same object
+    assert type(copied[1]["pair"]) is Pair and copied[1]["pair"].b[1] == [3]
+    assert copied[1]["pair"].a is not original[1]["pair"].a and copied[1]["set"] is not original[1]["set"]
+    assert copied[2].default_factory is list and copied[2]["k"] == [4] and copied[2]["k"] is not original[2]["k"]
+    copied[0][0].pop("x")
+    copied[1]["pair"].b[1].append(5)
+    assert "x" in shared and original[1]["pair"].b[1] == [3]  # changing the copy leaves the original

@@ -85,37 +85,47 @@ def call(fn: Callable, args: tuple = (), kwargs: dict | None = None, python_loop
 _DICTS = (dict, collections.OrderedDict, collections.defaultdict)
 
 
-def copy_structure(x: Any, leaf: Callable[[Any], Any] = lambda v: v) -> Any:
+def copy_structure(x: Any, leaf: Callable[[Any], Any] = lambda v: v, memo: dict | None = None) -> Any:
     """A copy of ``x``'s containers, at every depth, with ``leaf(v)`` for each leaf ``v``.
 
     Containers: dicts (also ``OrderedDict``, ``defaultdict``; key order kept), lists,
     tuples and namedtuples, sets, and nodes registered with ``jax.tree_util`` (a
     registered dataclass).  A writable numpy array is copied (it can change in
     place).  Every other object (JAX arrays, Keras variables, models, iterators,
-    objects of the user's classes) is a leaf, the same object.
+    objects of the user's classes) is a leaf, the same object.  A container that
+    appears twice is copied once (``memo``, as ``copy.deepcopy``'s), so aliasing is kept.
     """
+    memo = {} if memo is None else memo
+    if id(x) in memo:
+        return memo[id(x)][1]
     kind = type(x)
     if kind in _DICTS:
         new = copy.copy(x)  # keeps the type and a defaultdict's factory
+        memo[id(x)] = (x, new)
         for key, value in x.items():
-            new[key] = copy_structure(value, leaf)
+            new[key] = copy_structure(value, leaf, memo)
         return new
     if kind is list:
-        return [copy_structure(v, leaf) for v in x]
+        new = []
+        memo[id(x)] = (x, new)
+        new.extend(copy_structure(v, leaf, memo) for v in x)
+        return new
     if kind is tuple:
-        return tuple(copy_structure(v, leaf) for v in x)
+        return tuple(copy_structure(v, leaf, memo) for v in x)
     if isinstance(x, tuple) and hasattr(x, "_fields"):  # a namedtuple
-        return kind(*(copy_structure(v, leaf) for v in x))
+        return kind(*(copy_structure(v, leaf, memo) for v in x))
     if kind in (set, frozenset):
         return kind(x)  # set members are hashable, so not arrays
     if kind is np.ndarray and x.flags.writeable:
-        return leaf(x.copy())
+        new = leaf(x.copy())
+        memo[id(x)] = (x, new)
+        return new
     if x is None or isinstance(x, (jax.Array, jax.core.Tracer, str, bytes, int, float, complex, bool)):
         return leaf(x)
     children, treedef = jax.tree_util.tree_flatten(x, is_leaf=lambda y: y is not x)  # one level down
     if jax.tree_util.treedef_is_leaf(treedef):
         return leaf(x)
-    return jax.tree_util.tree_unflatten(treedef, [copy_structure(c, leaf) for c in children])
+    return jax.tree_util.tree_unflatten(treedef, [copy_structure(c, leaf, memo) for c in children])
 
 
 def current() -> Invocation | None:
