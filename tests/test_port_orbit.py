@@ -9,7 +9,9 @@ inside the tape's block, which made distribute.GradientTape's run again raise Ke
 fix in _invocation.copy_structure). Substitutions: tf.distribute -> distribute, tf.data ->
 distribute.data, tf.GradientTape -> distribute.GradientTape, tf.function -> distribute.function,
 tf_keras -> keras (Keras 3: reset_states -> reset_state, losses.MSE -> losses.mean_squared_error),
-tf.reduce_mean -> keras.ops.mean, tf.constant(n) -> n. Changes beyond substitution: each program
+tf.reduce_mean -> keras.ops.mean, tf.constant(n) -> n, ``.numpy()`` -> np.asarray. Changes beyond
+substitution: TestEvaluatorWithOutputsAggregation converts its local results to numpy before
+concatenating them (see there); each program
 runs inside ``strategy.scope()`` of MirroredStrategy over 2 CPU devices (orbit's tests use the
 default strategy); the models start from fixed weights (TF's are random); the single-task test reads
 the UCI iris data from scikit-learn (the test reads tfds' iris; same 150 rows, sklearn's order).
@@ -93,8 +95,9 @@ class TestEvaluatorWithOutputsAggregation(orbit.StandardEvaluator):
 
     def eval_reduce(self, state, step_outputs):
         # was tf.concat([state["logits"], step_outputs], 0). The local results live on two devices (committed
-        # jax.Arrays), and one JAX op on both raises "incompatible devices", where TF copies: converted to
-        # numpy first (reported, not fixed here).
+        # jax.Arrays) and one JAX op on both raises "incompatible devices" where TF copies implicitly, a
+        # deliberate difference (docs/tf_compat.md: "JAX never copies a committed array between devices
+        # implicitly"): converted to numpy first.
         step_outputs = [np.asarray(x) for x in step_outputs]
         state["logits"] = keras.ops.concatenate([state["logits"], keras.ops.stack(step_outputs)], 0)
         return state
