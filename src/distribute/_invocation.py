@@ -14,11 +14,15 @@ through :func:`call`; nothing else here is used by the engine.
 
 from __future__ import annotations
 
+import collections
 import contextvars
+import copy
 import dataclasses
 from typing import Any, Callable
 
+import jax
 from jax.extend import core as jax_core
+import numpy as np
 
 from distribute._keras import get_stateless_scope
 
@@ -27,8 +31,10 @@ from distribute._keras import get_stateless_scope
 class Invocation:
     """One call of a user's function by the engine: what a tape needs to run it again.
 
-    ``scope`` is the Keras stateless scope the call began in (None: none) and
-    ``snapshot`` a copy of its variable values then; ``trace`` is the JAX trace
+    ``args`` / ``kwargs`` are copies of the arguments' structures made before the
+    call ran (see :func:`copy_structure`): what the function changes in its own
+    arguments is not seen by a run again.  ``scope`` is the Keras stateless scope
+    the call began in (None: none) and ``snapshot`` a copy of its variable values then; ``trace`` is the JAX trace
     the function's own code runs in (the program being traced, or eager).
     ``tape_level`` belongs to ``distribute.tape`` (its record of this call's tapes).
     """
@@ -41,6 +47,10 @@ class Invocation:
     trace: Any
     tape_level: Any = None
     python_loop: bool = False  # a distribute.function run as Python (a loop over a dataset, in cross-replica context)
+
+    def arguments(self, leaf: Callable[[Any], Any]) -> tuple[tuple, dict]:
+        """Fresh copies of the arguments as the call received them, each leaf passed through ``leaf``."""
+        return copy_structure(self.args, leaf), copy_structure(self.kwargs, leaf)
 
 
 _CURRENT: contextvars.ContextVar[Invocation | None] = contextvars.ContextVar("distribute_invocation", default=None)
@@ -60,7 +70,9 @@ def call(fn: Callable, args: tuple = (), kwargs: dict | None = None, python_loop
     snapshot = dict(getattr(scope, "state_mapping", None) or {})
     with jax_core.take_current_trace() as trace:
         pass
-    invocation = Invocation(fn, tuple(args), kwargs, scope, snapshot, trace, python_loop=python_loop)
+    # Before fn runs: a tape runs fn again from these (a python_loop call is never run again).
+    saved = (tuple(args), kwargs) if python_loop else (copy_structure(tuple(args)), copy_structure(kwargs))
+    invocation = Invocation(fn, *saved, scope, snapshot, trace, python_loop=python_loop)
     token = _CURRENT.set(invocation)
     hook_token = _READ_HOOK.set(_READ_HOOK.get())  # an enclosing call's recording tape sees these reads too
     try:
@@ -68,6 +80,52 @@ def call(fn: Callable, args: tuple = (), kwargs: dict | None = None, python_loop
     finally:
         _READ_HOOK.reset(hook_token)
         _CURRENT.reset(token)
+
+
+_DICTS = (dict, collections.OrderedDict, collections.defaultdict)
+
+
+def copy_structure(x: Any, leaf: Callable[[Any], Any] = lambda v: v, memo: dict | None = None) -> Any:
+    """A copy of ``x``'s containers, at every depth, with ``leaf(v)`` for each leaf ``v``.
+
+    Containers: dicts (also ``OrderedDict``, ``defaultdict``; key order kept), lists,
+    tuples and namedtuples, sets, and nodes registered with ``jax.tree_util`` (a
+    registered dataclass).  A writable numpy array is copied (it can change in
+    place).  Every other object (JAX arrays, Keras variables, models, iterators,
+    objects of the user's classes) is a leaf, the same object.  A container that
+    appears twice is copied once (``memo``, as ``copy.deepcopy``'s), so aliasing is kept.
+    """
+    memo = {} if memo is None else memo
+    if id(x) in memo:
+        return memo[id(x)][1]
+    kind = type(x)
+    if kind in _DICTS:
+        new = copy.copy(x)  # keeps the type and a defaultdict's factory
+        memo[id(x)] = (x, new)
+        for key, value in x.items():
+            new[key] = copy_structure(value, leaf, memo)
+        return new
+    if kind is list:
+        new = []
+        memo[id(x)] = (x, new)
+        new.extend(copy_structure(v, leaf, memo) for v in x)
+        return new
+    if kind is tuple:
+        return tuple(copy_structure(v, leaf, memo) for v in x)
+    if isinstance(x, tuple) and hasattr(x, "_fields"):  # a namedtuple
+        return kind(*(copy_structure(v, leaf, memo) for v in x))
+    if kind in (set, frozenset):
+        return kind(x)  # set members are hashable, so not arrays
+    if kind is np.ndarray and x.flags.writeable:
+        new = leaf(x.copy())
+        memo[id(x)] = (x, new)
+        return new
+    if x is None or isinstance(x, (jax.Array, jax.core.Tracer, str, bytes, int, float, complex, bool)):
+        return leaf(x)
+    children, treedef = jax.tree_util.tree_flatten(x, is_leaf=lambda y: y is not x)  # one level down
+    if jax.tree_util.treedef_is_leaf(treedef):
+        return leaf(x)
+    return jax.tree_util.tree_unflatten(treedef, [copy_structure(c, leaf, memo) for c in children])
 
 
 def current() -> Invocation | None:

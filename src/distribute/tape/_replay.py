@@ -2,8 +2,9 @@
 
 JAX records no tape while a program runs; it differentiates functions.  So
 ``tape.gradient(target, sources)`` makes one: it runs the invocation's function
-again from its start (same arguments, the variables' values when the call
-began, its variable writes discarded) under ``jax.make_jaxpr``, up to this very
+again from its start (the arguments as the call received them, in fresh
+containers, see ``_invocation.copy_structure``; the variables' values when the
+call began; its variable writes discarded) under ``jax.make_jaxpr``, up to this very
 gradient call, and gets a jaxpr of everything the function computed so far, in
 order.  Its events left marks there (``tape_marker``: where each tape entered,
 exited, stopped, was reset, watched a tensor; ``tape_tag``: each read of a
@@ -86,8 +87,10 @@ def replay(level: "_level.Level", stop_at: int, ordinal: int) -> tuple:
         scope = ReplayScope(invocation.scope, invocation.snapshot)
         level_token = _level._LEVEL.set(child)
         hook_token = _invocation.set_read_hook(child.on_read)
-        # Arrays the call received become per-replica values here (each replica's gradients stay its own).
-        args, kwargs = jax.tree_util.tree_map(child.prepare_input, (invocation.args, invocation.kwargs))
+        # The arguments as the call received them, in fresh containers (what the first run or an earlier
+        # replay did to its own is not seen here); their arrays become per-replica values (each
+        # replica's gradients stay its own).
+        args, kwargs = invocation.arguments(child.prepare_input)
         try:
             with scope:
                 invocation.fn(*args, **kwargs)

@@ -79,9 +79,22 @@ class GradientTape:
     to ``strategy.run``, scheduled with ``ClusterCoordinator.schedule``, or
     decorated with ``distribute.function`` (at a script's top level there is
     none: ``RuntimeError``), in that function's own code (not inside a
-    ``jax.jit`` / ``vmap`` / ``lax.scan`` within it); Python side effects before
-    a gradient call run again at trace time, as when ``tf.function`` retraces;
-    the function must take the same path when run again.
+    ``jax.jit`` / ``vmap`` / ``lax.scan`` within it); the function must take the
+    same path when run again.
+
+    What the run again sees: the arguments as the function received them.  Their
+    containers (dicts, lists, tuples, namedtuples, sets, ``jax.tree_util``
+    nodes, numpy arrays), at every depth, are copied before the function runs,
+    so ``label = inputs.pop("label")`` inside the block (orbit's trainers),
+    appending to a list argument or rewriting a nested dict's entry happen once,
+    as in TF; Keras variables are read at their values when the call began.  Any
+    other Python state is shared by the runs: objects that are not containers
+    (a model's Python attributes, an instance of your class), and what the
+    function reaches through ``self``, closures or globals.  A change to it
+    before a gradient call happens again in the run again (``seen.append(x)``
+    appends twice, the second time a JAX tracer), and the run again sees what
+    the first run left, as when ``tf.function`` retraces.  Keep such changes
+    after the last gradient call, or keep that state in Keras variables.
 
     Args:
         persistent: allow several ``gradient`` / ``jacobian`` calls (TF: same).
