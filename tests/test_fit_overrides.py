@@ -323,3 +323,23 @@ def test_jax_train_test_predict_step_overrides_equal_one_device(cls):
             for key in got["predict"]:
                 assert got["predict"][key].shape == (ROWS, 1)
                 np.testing.assert_allclose(got["predict"][key], want["predict"][key], rtol=1e-5, atol=1e-6)
+
+
+def test_a_keras_loss_in_strategy_run_is_scaled_for_the_sum_over_replicas():
+    """Keras 3 on TF divides a mean-reduced Loss by the replica count inside strategy.run (TF 2.21: rows
+    0..7 over 2 replicas give 1.75 and 15.75, SUM 17.5, the global mean); here the same on an even batch,
+    and weighted by each replica's rows on an uneven one (7 rows split 4/3: means 3.5 and 77/3, weighted
+    4/7 and 3/7: 2.0 and 11.0, SUM 13.0, the global mean, where TF gives 3.5/2 + 77/6 = 14.58). reduction="sum" is not scaled (TF neither)."""
+    strategy = _strategy(2)
+
+    def losses(rows, reduction="sum_over_batch_size"):
+        x = np.arange(rows, dtype=np.float32).reshape(rows, 1)
+        data = distribute.data.Dataset.from_tensor_slices((x, np.zeros_like(x))).batch(rows)
+        inputs = next(iter(strategy.experimental_distribute_dataset(data)))
+        loss = keras.losses.MeanSquaredError(reduction=reduction)
+        result = strategy.run(lambda xb, yb: loss(yb, xb), args=inputs)
+        return [float(v) for v in strategy.experimental_local_results(result)], float(strategy.reduce("SUM", result, axis=None))
+
+    assert losses(8) == (pytest.approx([1.75, 15.75]), pytest.approx(17.5))
+    assert losses(7) == (pytest.approx([2.0, 11.0]), pytest.approx(13.0))
+    assert losses(8, "sum") == (pytest.approx([14.0, 126.0]), pytest.approx(140.0))
