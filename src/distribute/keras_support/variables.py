@@ -19,7 +19,7 @@ from typing import Any, Iterator
 
 import jax
 
-from distribute import _context
+from distribute import _context, creation
 from distribute._keras import get_stateless_scope
 from distribute.lifting import LiftingScope
 
@@ -116,7 +116,14 @@ def variable_init(original):
     """``Variable.__init__``: the variable asks its strategy where it lives (if its value did not already)."""
 
     def __init__(self, *args, **kwargs):
+        scope = get_stateless_scope()
+        initial = None
+        if isinstance(scope, LiftingScope):
+            # Inside a replica function (strategy.run): created once, from the first replica's value (creation.py).
+            args, kwargs, initial = creation.defer(scope, args, kwargs)
         original(self, *args, **kwargs)
+        if initial is not None:
+            creation.created(scope, self, initial)
         placement = placement_of(self)
         if placement is not None:
             placement.on_created(self)
