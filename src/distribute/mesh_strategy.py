@@ -281,9 +281,12 @@ class MeshStrategy(Strategy):
         variable, ``assign`` sets that copy alone; a MirroredVariable's copy refuses
         ``assign`` (``NotImplementedError`` naming the fix: it is one replicated value here).
         """
-        if getattr(value, "_distribute_strategy", None) is self and hasattr(value, "value") and get_stateless_scope() is None:
-            # TF: the variable's components, each read and (SyncOnRead) assigned on its own (per_copy.py).
-            return per_copy.variable_copies(self, value)
+        if getattr(value, "_distribute_strategy", None) is self and hasattr(value, "value"):
+            if _context.current_replica_context() is not None:
+                _context.check_cross_replica_call()  # a distribute.function's trace: it runs as Python instead
+            if get_stateless_scope() is None:
+                # TF: the variable's components, each read and (SyncOnRead) assigned on its own (per_copy.py).
+                return per_copy.variable_copies(self, value)
         value = self._bound(sync_on_read_as_per_replica(value), "experimental_local_results")
         if isinstance(value, DistributedValues):
             return value.values
