@@ -19,7 +19,7 @@ from typing import Any, Iterator
 
 import jax
 
-from distribute import _context, creation
+from distribute import _context, creation, per_copy
 from distribute._keras import get_stateless_scope
 from distribute.lifting import LiftingScope
 
@@ -203,6 +203,8 @@ def _to_variable_devices(variable: Any, value: Any) -> Any:
     """
     if _context.current_replica_context() is not None:
         return value  # inside strategy.run (a replica's own copies): as it is
+    if isinstance(value, per_copy.VariableCopy):
+        value = value.value  # a copy from experimental_local_results: its array
     current = getattr(variable, "_value", None)
     if not (isinstance(value, jax.Array) and isinstance(current, jax.Array)) or isinstance(value, jax.core.Tracer) \
             or isinstance(current, jax.core.Tracer) or not value.committed:
