@@ -278,3 +278,39 @@ def test_mirrored_variable_copies_read_and_refuse_assign():
         copies[1].assign([1.0, 2.0])
     m.assign([1.0, 1.0])
     assert [c.numpy().tolist() for c in copies] == [[1.0, 1.0], [1.0, 1.0]]
+
+
+def test_creation_inside_compute_gradients_loss_function_names_where_to_create_it():
+    s = _mirrored2()
+    with s.scope():
+        w = keras.Variable([1.0, 2.0])
+    made = []
+
+    def step():
+        def loss_fn():
+            if not made:
+                made.append(keras.Variable(w * 2.0))
+            return keras.ops.sum(w * w)
+
+        return distribute.compute_gradients(loss_fn, [w])[1][0]
+
+    with pytest.raises(ValueError, match="Create it in the replica function itself"):
+        s.run(step)
+
+
+def test_creation_inside_a_tape_block_on_the_first_call():
+    s = _mirrored2()
+    with s.scope():
+        w = keras.Variable([1.0, 2.0])
+    made = []
+
+    def step():
+        with distribute.GradientTape() as tape:
+            if not made:
+                made.append(keras.Variable(w * 2.0, trainable=False))
+            loss = keras.ops.sum(w * made[0])
+        return tape.gradient(loss, [w])[0]
+
+    out = s.run(step)
+    # One device's answer: made = 2 * w = [2, 4], and d(sum(w * made))/dw = made on each replica.
+    assert made[0].numpy().tolist() == [2.0, 4.0] and _local(s, out) == [[2.0, 4.0], [2.0, 4.0]]

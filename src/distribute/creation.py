@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from distribute._keras import KerasVariable
+from distribute._keras import KerasVariable, global_state
 from distribute.lifting import LiftingScope
 from distribute.mesh import AXIS
 
@@ -52,11 +52,13 @@ class InitialValue:
         self.unvalued = unvalued
         self.concrete: Any = None
         self.name = "?"
+        self.variable: Any = None
 
     def __call__(self, shape: Any = None, dtype: Any = None) -> Any:
         if not self.traced:
             return self.value
         if self.concrete is None:
+            forget([self])  # Keras would try again at every later initialization
             raise RuntimeError(
                 f"Variable '{self.name}' was created from a traced value inside a compiled program whose "
                 "first run could not give its initial value (only strategy.run and the distribute.function "
@@ -82,6 +84,14 @@ def defer(scope: LiftingScope, args: tuple, kwargs: dict) -> tuple[tuple, dict, 
     initializer = bound.get("initializer")
     if initializer is None or callable(initializer) or isinstance(initializer, str):
         return args, kwargs, None
+    if not scope.creates:
+        raise ValueError(
+            f"a variable (initial value of shape {tuple(getattr(initializer, 'shape', ()))}) was created inside a nested step scope (the loss "
+            "function of distribute.compute_gradients or a tape's replay, an optimizer update, a replica "
+            "thread of an uneven step); Keras cannot create it there. Create it in the replica function "
+            "itself (strategy.run's function creates variables on its first call), before the step in "
+            "strategy.scope(), or with a callable initializer: keras.Variable(initializer='zeros', shape=...)."
+        )
     import keras
 
     value = initializer.value if isinstance(initializer, KerasVariable) else initializer
@@ -94,6 +104,7 @@ def defer(scope: LiftingScope, args: tuple, kwargs: dict) -> tuple[tuple, dict, 
 def created(scope: LiftingScope, variable: KerasVariable, initial: InitialValue) -> None:
     """Records a variable the trace created: the rest of the trace reads its initial value."""
     initial.name = variable.path
+    initial.variable = variable
     scope.created.append((variable, initial))
     scope.missing[id(variable)] = variable
     scope.state_mapping[id(variable)] = initial.value
@@ -128,6 +139,22 @@ def compute_initial_values(traced: Any, pairs: list, inputs: tuple) -> None:
             no value yet (made by the same call: a model built lazily by its first step), so
             its initial value might depend on values this run does not have.
     """
+    try:
+        _run_for_initial_values(traced, pairs, inputs)
+    except BaseException:
+        forget([initial for _, initial in pairs])  # never initialized: Keras must not try again later
+        raise
+
+
+def forget(initials: list) -> None:
+    """Takes the variables of ``initials`` off Keras' list of variables to initialize."""
+    pending = global_state.get_global_attribute("uninitialized_variables")
+    if pending:
+        gone = {id(i.variable) for i in initials}
+        pending[:] = [v for v in pending if id(v) not in gone]
+
+
+def _run_for_initial_values(traced: Any, pairs: list, inputs: tuple) -> None:
     for variable, initial in pairs:
         if initial.unvalued:
             raise NotImplementedError(
@@ -142,4 +169,4 @@ def compute_initial_values(traced: Any, pairs: list, inputs: tuple) -> None:
     write_vals = jax.tree_util.tree_map(jnp.copy, write_vals)
     outputs = traced.lower().compile()(read_vals, write_vals, sharded, replicated)
     for (_, initial), value in zip(pairs, outputs[-1]):
-        initial.concrete = value
+        initial.concrete, initial.value = value, None  # the tracer is not kept alive

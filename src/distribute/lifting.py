@@ -61,6 +61,7 @@ class LiftingScope(StatelessScope):
         self.update_depth = 0  # > 0 inside an optimizer's apply
         self.observe_reads = True  # reads pass through _invocation.on_read (a GradientTape's recording)
         self.created: list = []  # (variable, InitialValue) of variables this trace created (creation.py)
+        self.creates = False  # True in strategy.run's program trace: the one that can create variables
         self.unvalued: dict[int, KerasVariable] = {}  # variables read as zeros: they had no value yet
 
     def add_update(self, update: tuple) -> None:

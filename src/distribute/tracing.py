@@ -236,6 +236,7 @@ def _make_body(strategy, fn, treedef, kinds, statics, read_vars, write_vars, rec
         mapping = {id(v): p.replica_value(context, x) for v, p, x in zip(read_vars, read_places, read_vals)}
         mapping.update({id(v): p.replica_value(context, x) for v, p, x in zip(write_vars, write_places, write_vals)})
         scope = LiftingScope(mapping, placeholders=True)
+        scope.creates = True
         with _context.enter_replica(strategy, context), scope:
             result = _invocation.call(fn, args, kwargs)
         record.missing = scope.missing
