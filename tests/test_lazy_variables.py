@@ -273,9 +273,12 @@ def test_mirrored_variable_copies_read_and_refuse_assign():
     assert [next(iter(c.devices())) for c in copies] == list(s.extended.replica_mesh.local_devices)
     assert float(copies[1][0]) == 4.0 and (copies[0] + 1.0).tolist() == [5.0, 4.0]
     # TF lets a MirroredVariable's copies diverge (record_tf_lazy_variables.py: "placeholder components
-    # after first [[1, 2], [-1, 1]]"); here it is one replicated value: a clear error naming the fix.
+    # after first [[1, 2], [-1, 1]]"; tensorflow/python/distribute/tpu_strategy_test.py,
+    # test_variables_mismatched_device_assignment: local_results(v)[1].assign(42.) gives [1., 42.]);
+    # here it is one replicated value: a clear error naming the fix, and the copies stay equal.
     with pytest.raises(NotImplementedError, match="synchronization='on_read'"):
         copies[1].assign([1.0, 2.0])
+    assert [c.numpy().tolist() for c in copies] == [[4.0, 3.0], [4.0, 3.0]]
     m.assign([1.0, 1.0])
     assert [c.numpy().tolist() for c in copies] == [[1.0, 1.0], [1.0, 1.0]]
 
