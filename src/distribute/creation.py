@@ -131,8 +131,7 @@ def _first_replica(x: Any) -> Any:
 def compute_initial_values(traced: Any, pairs: list, inputs: tuple) -> None:
     """Runs a traced step once (its results thrown away) to give created variables their initial values.
 
-    ``inputs``: the program's arguments; the variables it writes are copied first (the
-    program donates their buffers).
+    ``inputs``: the program's arguments (nothing is donated: the step's own program is not run).
 
     Raises:
         NotImplementedError: a variable was created after the step read variables that had
@@ -165,8 +164,15 @@ def _run_for_initial_values(traced: Any, pairs: list, inputs: tuple) -> None:
                 "strategy.scope(), or give it a callable initializer (keras.Variable(initializer='zeros', "
                 "shape=..., dtype=...))."
             )
-    read_vals, write_vals, sharded, replicated = inputs
-    write_vals = jax.tree_util.tree_map(jnp.copy, write_vals)
-    outputs = traced.lower().compile()(read_vals, write_vals, sharded, replicated)
-    for (_, initial), value in zip(pairs, outputs[-1]):
+    # The trace's own program, cut to the initial values (XLA drops the rest of the step), with its
+    # constants (the host copies of variables read for the first time: ``lifting.placeholder``)
+    # passed as arguments: embedded in the program they would cost seconds per 100 MB to compile.
+    closed = traced.jaxpr
+    count = len(pairs)
+
+    def initial_values(consts: list, args: list) -> list:
+        return jax.core.eval_jaxpr(closed.jaxpr, consts, *args)[-count:]
+
+    values = jax.jit(initial_values)(list(closed.consts), jax.tree_util.tree_leaves(inputs))
+    for (_, initial), value in zip(pairs, values):
         initial.concrete, initial.value = value, None  # the tracer is not kept alive
