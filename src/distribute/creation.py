@@ -12,9 +12,10 @@ that calls it) is made the same way:
 
 1. while the step is traced, the variable is made with a deferred value (its shape and
    dtype are the initial value's) and the rest of the trace reads the initial value;
-2. after that trace, before anything is stored, its program is run once with the real
-   inputs and variable values (``placeholder`` in ``lifting.py``) and the first replica's
-   initial value becomes the variable's value (each copy's, for a SyncOnRead one);
+2. after that trace, before anything is stored, the part of its program that computes the
+   initial values runs once with the real inputs and variable values (``placeholder`` in
+   ``lifting.py``) and the first replica's initial value becomes the variable's value (each
+   copy's, for a SyncOnRead one);
 3. the step is traced again with the new variable lifted like any other, and compiled.
 
 A later call does not create it again: the Python code that made it sees it made (as
