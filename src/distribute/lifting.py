@@ -60,6 +60,9 @@ class LiftingScope(StatelessScope):
         self.updates: set[int] = set()  # variables an optimizer updated (TF: extended.update, cross-replica)
         self.update_depth = 0  # > 0 inside an optimizer's apply
         self.observe_reads = True  # reads pass through _invocation.on_read (a GradientTape's recording)
+        self.created: list = []  # (variable, InitialValue) of variables this trace created (creation.py)
+        self.creates = False  # True in strategy.run's program trace: the one that can create variables
+        self.unvalued: dict[int, KerasVariable] = {}  # variables read as zeros: they had no value yet
 
     def add_update(self, update: tuple) -> None:
         variable, value = update
@@ -82,15 +85,34 @@ class LiftingScope(StatelessScope):
             value = self.state_mapping[id(variable)] = local_value(variable, self.device)
         if value is None:
             self.missing[id(variable)] = variable
-            if self.placeholders or variable._value is None:
-                # A placeholder (a discovery trace), or a variable created by this very trace (a model
-                # built lazily by its first step) whose value Keras defers: zeros of its shape, never
-                # None, which Keras' own reads (a regularizer of ``model.losses``) cannot take; a
-                # constant, so also inside a nested trace (lax.scan).
+            if self.placeholders and variable._value is not None:
+                value = placeholder(variable)
+            if value is None and (self.placeholders or variable._value is None):
+                # A variable created by this very trace (a model built lazily by its first step) whose
+                # value Keras defers: zeros of its shape, never None, which Keras' own reads (a
+                # regularizer of ``model.losses``) cannot take.
+                self.unvalued[id(variable)] = variable
                 value = np.zeros(variable.shape, variable.dtype)
         if value is not None and self.observe_reads:
             value = _invocation.on_read(self, variable, value)
         return value
+
+
+def placeholder(variable: KerasVariable) -> np.ndarray | None:
+    """A variable's value in a discovery trace: a host copy of its first local replica's copy.
+
+    A host constant (numpy), so also inside ``shard_map``'s manual context and a nested trace
+    (lax.scan), where its sharded array is refused; its real value, so a variable that the trace
+    creates from it (``keras.Variable(other * 2)`` inside ``run``, ``creation.py``) gets the right
+    initial value. None when this worker cannot read the whole value (split over several workers).
+    """
+    placement = variable.__dict__.get("_distribute_placement")
+    mesh = getattr(placement, "replica_mesh", None)
+    stored = variable._value
+    if isinstance(stored, jax.core.Tracer) or (isinstance(stored, jax.Array) and not stored.is_fully_addressable):
+        return None
+    with jax.ensure_compile_time_eval():  # concrete arrays, read outside the trace
+        return np.asarray(stored if mesh is None else placement.local_value(variable, mesh.local_devices[0]))
 
 
 def classify_outputs(out_leaves: list) -> tuple[list, list, list]:

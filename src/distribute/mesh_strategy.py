@@ -17,7 +17,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from distribute import _context, collectives, sync_on_read
+from distribute import _context, collectives, per_copy, sync_on_read
+from distribute._keras import get_stateless_scope
 from distribute.extended import StrategyExtended, require_cross_replica
 from distribute.input.policy import InputPolicy
 from distribute.mesh import ReplicaMesh
@@ -273,16 +274,24 @@ class MeshStrategy(Strategy):
         Padding of partial batches is removed: with 2 replicas, the last batch of
         ``range(5).batch(4)`` gives ``([4], [])``.  A non-distributed value gives
         ``(value,)``, a nested structure (list, tuple, dict) one copy per local replica
-        with its distributed leaves split, as TF; a variable created in scope, its
-        copy on each local replica's device;
-        a SyncOnRead variable, its replicas' copies (as TF's
-        SyncOnReadVariable; see ``sync_on_read.py``).
+        with its distributed leaves split, as TF; a variable created in scope, one
+        ``per_copy.VariableCopy`` per local replica (TF: its component variables): it
+        reads as that replica's copy (a SyncOnRead variable's own copy, a
+        MirroredVariable's copy on the replica's device) and, for a SyncOnRead
+        variable, ``assign`` sets that copy alone; a MirroredVariable's copy refuses
+        ``assign`` (``NotImplementedError`` naming the fix: it is one replicated value here).
         """
+        if getattr(value, "_distribute_strategy", None) is self and hasattr(value, "value"):
+            if _context.current_replica_context() is not None:
+                _context.check_cross_replica_call()  # a distribute.function's trace: it runs as Python instead
+            if get_stateless_scope() is None:
+                # TF: the variable's components, each read and (SyncOnRead) assigned on its own (per_copy.py).
+                return per_copy.variable_copies(self, value)
         value = self._bound(sync_on_read_as_per_replica(value), "experimental_local_results")
         if isinstance(value, DistributedValues):
             return value.values
         if getattr(value, "_distribute_strategy", None) is self and hasattr(value, "value"):
-            # A MirroredVariable: its copy on each local replica's device (TF: its components);
+            # Inside a program (a merge_fn): a MirroredVariable's copy on each local replica's device;
             # a variable split over the replicas (sharded state): its whole value on each.
             mesh = self._extended.replica_mesh
             stored = value._value

@@ -14,6 +14,7 @@ each replica updates its own copy with its component.
 from __future__ import annotations
 
 import functools
+import operator
 from typing import Any, Callable
 
 import jax
@@ -114,3 +115,149 @@ def _regroup(strategy: Any, results: list, group: bool) -> Any:
         array, lengths = collectives.per_replica_from_local(strategy, [jnp.asarray(col[j]) for col in leaves])
         out.append(PerReplica._from_array(strategy, array, lengths))
     return jax.tree_util.tree_unflatten(treedef, out)
+
+
+class VariableCopy:
+    """One local replica's copy of a variable made in a strategy's scope (TF: a component variable).
+
+    What ``strategy.experimental_local_results(variable)`` gives, one per local replica,
+    in replica order.  It reads like the array it holds (``value``, ``read_value()``,
+    ``numpy()``, ``np.asarray``, ``float``, arithmetic, ``shape``, ``dtype``, ``devices()``)
+    and is live, as TF's components: a read after a step gives the step's value.
+
+    * a SyncOnRead variable's copy is that replica's own, and ``assign`` /
+      ``assign_add`` / ``assign_sub`` write it alone, as TF's (2 replicas,
+      ``only_first_replica``: ``copies[1].assign([1., -2.])`` changes replica 1's copy;
+      the variable's cross-replica value is re-aggregated);
+    * a MirroredVariable (and a variable split over the replicas) is one replicated
+      value here: its copies read, and ``assign`` raises ``NotImplementedError`` naming
+      the fix (TF lets the copies diverge, ``experimental_local_results(v)[1].assign(x)``).
+    """
+
+    __slots__ = ("_strategy", "_variable", "_replica")
+
+    def __init__(self, strategy: Any, variable: Any, replica: int):
+        self._strategy = strategy
+        self._variable = variable
+        self._replica = replica
+
+    @property
+    def value(self) -> jax.Array:
+        """This copy's current array, on its replica's device."""
+        mesh = self._strategy.extended.replica_mesh
+        if sync_on_read.tracked(self._variable):
+            return _local_copies(self._variable, mesh)[self._replica]
+        stored = self._variable._value
+        if isinstance(stored, jax.Array) and not stored.is_fully_replicated:
+            stored = mesh.replicate(stored)
+        return mesh.local_copies(stored)[self._replica]
+
+    def read_value(self) -> jax.Array:
+        return self.value
+
+    def numpy(self) -> np.ndarray:
+        return np.asarray(self.value)
+
+    def assign(self, value: Any) -> "VariableCopy":
+        """Sets this replica's copy of a SyncOnRead variable (TF: the component's ``assign``).
+
+        Raises:
+            NotImplementedError: the variable is a MirroredVariable (one replicated value here).
+            ValueError: ``value``'s shape differs from the variable's.
+            RuntimeError: called inside a replica function.
+        """
+        var = self._variable
+        if not sync_on_read.tracked(var):
+            raise NotImplementedError(
+                f"strategy.experimental_local_results(v)[{self._replica}].assign(...) on MirroredVariable "
+                f"'{var.path}': a MirroredVariable is one replicated value here, so its copies cannot be "
+                "assigned one by one (TF lets them diverge). Assign the variable itself (v.assign(x) sets "
+                "every copy), or, for one value per replica, create it with synchronization='on_read' (and "
+                "aggregation='sum', 'mean' or 'only_first_replica'): its copies are each replica's own and "
+                "assignable here; or pass a PerReplica value "
+                "(strategy.experimental_distribute_values_from_function) to strategy.run."
+            )
+        if get_stateless_scope() is not None:
+            raise RuntimeError(
+                f"a copy of variable '{var.path}' was assigned inside a replica function; assign copies in "
+                "cross-replica context, or assign the variable in the replica function (each replica "
+                "writes its own copy)."
+            )
+        new = jnp.asarray(value, var.dtype)
+        if tuple(new.shape) != tuple(var.shape):
+            raise ValueError(
+                f"copy {self._replica} of variable '{var.path}' has shape {tuple(var.shape)}; got a value "
+                f"of shape {tuple(new.shape)}. Assign a value of the variable's shape."
+            )
+        mesh = self._strategy.extended.replica_mesh
+        copies = list(_local_copies(var, mesh))
+        copies[self._replica] = jax.device_put(new, mesh.local_devices[self._replica])
+        per_replica, _ = collectives.per_replica_from_local(self._strategy, copies)
+        sync_on_read.store(var, _aggregate(var.aggregation, mesh.replicated_sharding)(per_replica), per_replica)
+        return self
+
+    def assign_add(self, delta: Any) -> "VariableCopy":
+        return self.assign(self._add(delta, 1))
+
+    def assign_sub(self, delta: Any) -> "VariableCopy":
+        return self.assign(self._add(delta, -1))
+
+    def _add(self, delta: Any, sign: int) -> Any:
+        value = self.value
+        return value + sign * jax.device_put(jnp.asarray(delta, value.dtype), next(iter(value.devices())))
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(self.value, name)
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        array = np.asarray(self.value)
+        return array if dtype is None else array.astype(dtype)
+
+    def __jax_array__(self) -> jax.Array:
+        return self.value
+
+    def __float__(self) -> float:
+        return float(self.value)
+
+    def __int__(self) -> int:
+        return int(self.value)
+
+    def __bool__(self) -> bool:
+        return bool(self.value)
+
+    def __len__(self) -> int:
+        return len(self.value)
+
+    def __getitem__(self, index: Any) -> Any:
+        return self.value[index]
+
+    def __iter__(self):
+        return iter(self.value)
+
+    def __neg__(self) -> Any:
+        return -self.value
+
+    def __repr__(self) -> str:
+        return f"<copy {self._replica} of variable '{self._variable.path}': {np.asarray(self.value)!r}>"
+
+
+def _binary(op: Callable, reflected: bool = False) -> Callable:
+    if reflected:
+        return lambda self, other: op(other, self.value)
+    return lambda self, other: op(self.value, other)
+
+
+for _name, _op in {"add": operator.add, "sub": operator.sub, "mul": operator.mul, "truediv": operator.truediv,
+                   "floordiv": operator.floordiv, "pow": operator.pow, "matmul": operator.matmul, "mod": operator.mod}.items():
+    setattr(VariableCopy, f"__{_name}__", _binary(_op))
+    setattr(VariableCopy, f"__r{_name}__", _binary(_op, reflected=True))
+for _name in ("lt", "le", "gt", "ge", "eq", "ne"):
+    setattr(VariableCopy, f"__{_name}__", _binary(getattr(operator, _name)))
+VariableCopy.__hash__ = object.__hash__  # identity, as a variable's (``__eq__`` compares values)
+
+
+def variable_copies(strategy: Any, variable: Any) -> tuple:
+    """``experimental_local_results`` of a variable made in ``strategy``'s scope: one VariableCopy per local replica."""
+    return tuple(VariableCopy(strategy, variable, r) for r in range(len(strategy.extended.replica_mesh.local_devices)))

@@ -16,7 +16,9 @@ aggregation="sum")``:
 * ``var.assign(6.0)`` in cross-replica context sets every copy to 3.0 for SUM
   (6.0 / replicas, as TF), to 6.0 otherwise; Keras' ``assign_add`` is
   ``assign(var + delta)``, so it follows the same rule (as Keras 3 on TF);
-* ``strategy.experimental_local_results(var)`` gives the copies, and
+* ``strategy.experimental_local_results(var)`` gives one object per copy
+  (``per_copy.VariableCopy``: reads that copy, ``assign`` sets it alone, as TF's
+  component variables), and
   ``strategy.reduce(op, var, axis=None)`` reduces them (TF's SyncOnReadVariable
   is a DistributedValues).
 

@@ -43,7 +43,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from distribute.mesh import AXIS
-from distribute import _context, _invocation, lifting, placement, spmd, uneven_step
+from distribute import _context, _invocation, creation, lifting, placement, spmd, uneven_step
 from distribute._keras import KerasVariable, initialize_all_variables
 from distribute.values import Mirrored, PerReplica
 from distribute.lifting import LiftingScope, check_ownership
@@ -69,6 +69,7 @@ class _TraceRecord:
     out_tree: Any = None
     out_kinds: list = dataclasses.field(default_factory=list)
     out_statics: list = dataclasses.field(default_factory=list)
+    created: list = dataclasses.field(default_factory=list)
 
 
 def run(strategy: Any, fn: Callable, args: tuple, kwargs: dict) -> Any:
@@ -140,7 +141,7 @@ def run(strategy: Any, fn: Callable, args: tuple, kwargs: dict) -> Any:
         return _run_uneven(strategy, fn, treedef, kinds, dynamic, statics, key, None)
     read_vals = [p.program_input(v) for v, p in zip(program.read_vars, program.read_places)]
     write_vals = [p.program_input(v) for v, p in zip(program.write_vars, program.write_places)]
-    new_vals, outs, sums = program.compiled(read_vals, write_vals, sharded, replicated)
+    new_vals, outs, sums, _ = program.compiled(read_vals, write_vals, sharded, replicated)
     for var, p, value in zip(program.write_vars, program.write_places, new_vals):
         p.store(var, value)
     ext.record_dispatch(outs if outs else new_vals)
@@ -180,6 +181,8 @@ def _compile(strategy, fn, treedef, kinds, statics, sharded, replicated, compile
         program_fn = _shard_and_jit(strategy, body, read_vars, write_vars)
         read_vals, write_vals = _variable_inputs(strategy.extended, read_vars), _variable_inputs(strategy.extended, write_vars)
         traced = program_fn.trace(read_vals, write_vals, sharded, replicated)
+        if record.created:  # variables fn created from traced values (creation.py): their initial values
+            creation.compute_initial_values(traced, record.created, (read_vals, write_vals, sharded, replicated))
         # Variables created while tracing (optimizer slots, lazily built layers)
         # were deferred by Keras; give them their values now, outside the trace.
         initialize_all_variables()
@@ -207,7 +210,7 @@ def _shard_and_jit(strategy, body: Callable, read_vars: list, write_vars: list):
     mesh = strategy.extended.replica_mesh
     read_places, write_places = [placement.of(v, mesh) for v in read_vars], [placement.of(v, mesh) for v in write_vars]
     in_specs = (placement.in_specs(read_places), placement.in_specs(write_places), P(AXIS), P())
-    out_specs = (placement.out_specs(write_places), P(AXIS), P())
+    out_specs = (placement.out_specs(write_places), P(AXIS), P(), P())
     return spmd.compile_program(strategy, body, in_specs, out_specs, donate_argnums=(1,))
 
 
@@ -233,10 +236,12 @@ def _make_body(strategy, fn, treedef, kinds, statics, read_vars, write_vars, rec
         mapping = {id(v): p.replica_value(context, x) for v, p, x in zip(read_vars, read_places, read_vals)}
         mapping.update({id(v): p.replica_value(context, x) for v, p, x in zip(write_vars, write_places, write_vals)})
         scope = LiftingScope(mapping, placeholders=True)
+        scope.creates = True
         with _context.enter_replica(strategy, context), scope:
             result = _invocation.call(fn, args, kwargs)
         record.missing = scope.missing
         record.written = scope.written
+        record.created, initial_values = creation.traced_initial_values(scope)
         old_vals = [mapping[id(v)] for v in write_vars]
         new_vals = placement.combine_all(context, write_vars, write_places, [scope.state_mapping[id(v)] for v in write_vars], old_vals, frozenset(scope.plain), frozenset(scope.updates))
         new_vals = [p.program_output(context, n) for p, n in zip(write_places, new_vals)]
@@ -246,7 +251,7 @@ def _make_body(strategy, fn, treedef, kinds, statics, read_vars, write_vars, rec
         # step's own program: the strategy.reduce(SUM/MEAN, ..., axis=None) that
         # nearly every loop does after each step then dispatches nothing.
         sums = [lax.psum(x, AXIS) for x, kind in zip(arrays, [k for k in record.out_kinds if k != lifting.STATIC_OUT]) if kind == lifting.SUMMED_OUT]
-        return new_vals, [x[None] for x in arrays], sums
+        return new_vals, [x[None] for x in arrays], sums, initial_values
 
     return body
 

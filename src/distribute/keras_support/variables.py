@@ -19,7 +19,7 @@ from typing import Any, Iterator
 
 import jax
 
-from distribute import _context
+from distribute import _context, creation, per_copy
 from distribute._keras import get_stateless_scope
 from distribute.lifting import LiftingScope
 
@@ -116,7 +116,14 @@ def variable_init(original):
     """``Variable.__init__``: the variable asks its strategy where it lives (if its value did not already)."""
 
     def __init__(self, *args, **kwargs):
+        scope = get_stateless_scope()
+        initial = None
+        if isinstance(scope, LiftingScope):
+            # Inside a replica function (strategy.run): created once, from the first replica's value (creation.py).
+            args, kwargs, initial = creation.defer(scope, args, kwargs)
         original(self, *args, **kwargs)
+        if initial is not None:
+            creation.created(scope, self, initial)
         placement = placement_of(self)
         if placement is not None:
             placement.on_created(self)
@@ -196,6 +203,8 @@ def _to_variable_devices(variable: Any, value: Any) -> Any:
     """
     if _context.current_replica_context() is not None:
         return value  # inside strategy.run (a replica's own copies): as it is
+    if isinstance(value, per_copy.VariableCopy):
+        value = value.value  # a copy from experimental_local_results: its array
     current = getattr(variable, "_value", None)
     if not (isinstance(value, jax.Array) and isinstance(current, jax.Array)) or isinstance(value, jax.core.Tracer) \
             or isinstance(current, jax.core.Tracer) or not value.committed:
