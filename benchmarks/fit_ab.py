@@ -14,6 +14,11 @@ medians, plus the median of the per-round ratios (the pairwise one: both epochs 
 a round ran within about a second of each other), and the CPU seconds of the
 process per epoch (``time.process_time``: every thread, XLA's included), which
 a loaded machine inflates much less than wall time.  ``--out`` writes results.md/json.
+
+``--override`` adds a third system: the same model as a ``keras.Model`` subclass whose
+``train_step`` is keras.io's JAX one ("Customizing what happens in fit() with JAX":
+``stateless_call``, ``jax.value_and_grad``, ``optimizer.stateless_apply``), compiled in the
+strategy's scope; it runs as one program over the global batch (``trainer._WholeBatchRunner``).
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=8)
     p.add_argument("--samples", type=int, default=60_000)
     p.add_argument("--out", default=None)
+    p.add_argument("--override", action="store_true", help="also time a train_step override under the strategy")
     args = p.parse_args(argv)
 
     import jax
@@ -50,8 +56,31 @@ def main(argv=None) -> int:
     devices = jax.devices()[: args.replicas]
     global_batch = 64 * args.replicas
 
-    def build():
-        model = keras.Sequential([keras.Input((784,)), keras.layers.Dense(64, activation="relu"), keras.layers.Dense(10)])
+    class CustomModel(keras.Model):
+        def train_step(self, state, data):
+            trainable, non_trainable, optimizer_variables, metrics_variables = state
+            x, y = data
+
+            def loss_fn(trainable):
+                y_pred, new_non_trainable = self.stateless_call(trainable, non_trainable, x, training=True)
+                return self.compute_loss(x, y, y_pred), (y_pred, new_non_trainable)
+
+            (loss, (y_pred, non_trainable)), grads = jax.value_and_grad(loss_fn, has_aux=True)(trainable)
+            trainable, optimizer_variables = self.optimizer.stateless_apply(optimizer_variables, grads, trainable)
+            new_metrics, logs = [], {}
+            for metric in self.metrics:
+                own = metrics_variables[len(new_metrics): len(new_metrics) + len(metric.variables)]
+                own = metric.stateless_update_state(own, loss) if metric.name == "loss" else metric.stateless_update_state(own, y, y_pred)
+                logs[metric.name] = metric.stateless_result(own)
+                new_metrics += own
+            return logs, (trainable, non_trainable, optimizer_variables, new_metrics)
+
+    def build(cls=None):
+        if cls is None:
+            model = keras.Sequential([keras.Input((784,)), keras.layers.Dense(64, activation="relu"), keras.layers.Dense(10)])
+        else:
+            inputs = keras.Input((784,))
+            model = cls(inputs, keras.layers.Dense(10)(keras.layers.Dense(64, activation="relu")(inputs)))
         model.compile(optimizer=keras.optimizers.Adam(1e-3),
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"])
         return model
@@ -60,13 +89,14 @@ def main(argv=None) -> int:
     strategy = distribute.MirroredStrategy(devices)
     with strategy.scope():
         ours = build()
+        override = build(CustomModel)
     dp = keras.distribution.DataParallel(devices=devices)
     keras.distribution.set_distribution(dp)
     theirs = build()
     keras.distribution.set_distribution(None)
 
     def epoch(name: str) -> tuple[float, float]:
-        model = ours if name == "distribute fit" else theirs
+        model = {"distribute fit": ours, "distribute fit, train_step override": override}.get(name, theirs)
         if model is theirs:
             keras.distribution.set_distribution(dp)
         try:
@@ -77,14 +107,14 @@ def main(argv=None) -> int:
         finally:
             keras.distribution.set_distribution(None)
 
-    names = ["distribute fit", "Keras DataParallel fit"]
+    names = ["distribute fit", "Keras DataParallel fit"] + (["distribute fit, train_step override"] if args.override else [])
     for name in names:
         epoch(name)  # warm-up (compiles)
     seconds: dict = {n: [] for n in names}
     cpu: dict = {n: [] for n in names}
     load = [os.getloadavg()]
     for r in range(args.rounds):
-        for name in names[r % 2:] + names[: r % 2]:
+        for name in names[r % len(names):] + names[: r % len(names)]:
             wall, used = epoch(name)
             seconds[name].append(wall)
             cpu[name].append(used)

@@ -154,11 +154,29 @@ class MeshExtended(StrategyExtended):
             return  # (traced: a merge_call's reduce inside a step's program dispatches nothing)
         self._in_flight.append(leaves)
         if len(self._in_flight) > _MAX_STEPS_IN_FLIGHT:
-            jax.block_until_ready([a for a in self._in_flight.popleft() if isinstance(a, jax.Array) and not a.is_deleted()])
+            _wait_for(self._in_flight.popleft())
 
     def agree_on_shapes(self, local: list, what: str) -> list:
         """Every worker's ``local`` (a JSON-able list), in worker order; one worker here: ``[local]``."""
         return [local]
+
+
+def _wait_for(arrays: list) -> None:
+    """Waits for an older step's arrays, except those a later program took (donated): it waits for them."""
+    live = [a for a in arrays if isinstance(a, jax.Array) and not a.is_deleted()]
+    try:
+        jax.block_until_ready(live)
+    except jax.errors.JaxRuntimeError as err:
+        # An array object whose buffer a later program took under another object of the same buffer
+        # (is_deleted() is False for it): nothing to wait for there; the others are waited for one by one.
+        if "donated" not in str(err):
+            raise
+        for array in live:
+            try:
+                array.block_until_ready()
+            except jax.errors.JaxRuntimeError as one:
+                if "donated" not in str(one):
+                    raise
 
 
 class MeshStrategy(Strategy):
