@@ -71,6 +71,10 @@ class Placement:
     def on_assign(self, variable: Any) -> None:
         """After an assignment outside any compiled step (a parameter server is told)."""
 
+    def sums_replica_writes(self, variable: Any) -> bool:
+        """Whether a replica's write inside a step is summed over the replicas at once (``LiftingScope``)."""
+        return False
+
     # -- the SPMD step (tracing.py, keras_support/trainer.py) -------------------------------
     def in_spec(self) -> Any:
         """The ``shard_map`` spec of the variable's program input."""
@@ -145,6 +149,14 @@ class Replicated(Placement):
 
     def read(self, variable: Any, value: Any) -> Any:
         return self.replica_mesh.local_copy(value)
+
+    def sums_replica_writes(self, variable: Any) -> bool:
+        """A ``sum`` MirroredVariable: TF reduces its writes in replica context when they happen.
+
+        Two replicas writing ``assign_add(1.0)`` and ``assign_add(2.0)`` leave
+        ``old + 3.0``, and both read ``old + 3.0`` in the rest of the step.
+        """
+        return variable.aggregation == "sum" and variable.synchronization != "on_read"
 
 
 class Sharded(Placement):
