@@ -301,6 +301,14 @@ class MultiWorkerExtended(MeshExtended):
         now = self._tf_config.value
         before = self._tf_config.first
         cluster = self._cluster
+        if before is None and cluster.num_workers == 1 and now is not None:
+            logger.warning(
+                "TF_CONFIG was set after MultiWorkerMirroredStrategy was created without it (it is now %r): "
+                "the strategy trains this process alone (1 worker) and does not read TF_CONFIG again. Set "
+                "TF_CONFIG before creating the strategy (at the start of the program, or in the environment "
+                "of the process: distribute's launcher and cluster tools set it for you).", now,
+            )
+            return
         logger.warning(
             "TF_CONFIG changed after MultiWorkerMirroredStrategy was created (it was %s, it is now %s); "
             "the strategy keeps the cluster it joined at creation (%d worker(s), this is %s). A strategy "
