@@ -242,6 +242,21 @@ def placed(value: Any, sharding: Any) -> Any:
     return jax.device_put(value, sharding)
 
 
+def committed(value: Any, sharding: Any) -> Any:
+    """``value`` committed to ``sharding`` (None: as it is), as a variable's stored value.
+
+    Keras keeps an uncommitted array whose sharding merely fits the layout (one
+    device's array for a mesh of one device); a compiled step takes it as an
+    input of unspecified sharding, and then its own (committed) output as
+    another, which compiled each step twice at one replica.
+    """
+    if sharding is None or not isinstance(value, jax.Array) or isinstance(value, jax.core.Tracer):
+        return value
+    if value.committed and value.sharding.is_equivalent_to(sharding, value.ndim):
+        return value
+    return placed(value, sharding)
+
+
 @functools.lru_cache(maxsize=None)
 def _reshard_program(sharding: Any) -> Any:
     return jax.jit(lambda a: a, out_shardings=sharding)
