@@ -214,6 +214,7 @@ def stateless_apply(context: Any, optimizer: Any, optimizer_values: list, grads:
     mapping = {id(v): x for v, x in zip(optimizer._trainable_variables, trainable_values)}
     mapping.update({id(v): x for v, x in zip(optimizer.variables, optimizer_values)})
     scope = LiftingScope(mapping)
+    scope.update_depth += 1  # an optimizer's write: not summed over the replicas by the variable's aggregation
     with scope:
         apply(context, optimizer, grads, None, scope)
     return ([scope.state_mapping[id(v)] for v in optimizer._trainable_variables],
