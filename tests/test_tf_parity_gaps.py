@@ -226,9 +226,10 @@ def test_two_accumulated_micro_steps_equal_one_step_on_the_whole_batch(s, apply_
 
 
 # The same by hand over two micro-steps of 4 rows (global batch 8), read inside the run that wrote it. Recorded
-# from TF 2.21 (MirroredStrategy over 2 CPU devices, tf.Variable(aggregation=SUM), Keras 3 SGD(0.1), the
-# micro step a tf.function under strategy.run; /tmp script of issue 25, same program as below): the
-# accumulator each replica reads right after its assign_add, per micro-step, and the final w.
+# from TF 2.21 by tests/parity/record_tf_sum_writes.py (the program below in TF: MirroredStrategy over 2 CPU
+# devices, tf.Variable(aggregation=SUM), Keras 3 SGD(0.1)): the accumulator each replica reads right after its
+# write, per micro-step, and the final w. Applied inside the last run TF gives w 0.9 (assign_add), summing the
+# summed accumulator again; here one device's 0.45 (the test after the next).
 TF_MICRO_READS = {"assign_add": [[[-1.25], [-1.25]], [[-4.5], [-4.5]]],
                   "assign": [[[-1.25], [-1.25]], [[-5.75], [-5.75]]]}  # assign(acc + g): TF sums 2 acc + g
 TF_MICRO_W = {"assign_add": [0.45], "assign": [0.575]}
