@@ -131,7 +131,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     import ray
 
-    ray.init(address="local", include_dashboard=False, log_to_driver=False, configure_logging=False)
+    ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False, log_to_driver=False,
+             configure_logging=False)  # loopback only
     load = os.getloadavg()[0]
     results = []
     for repeat in range(args.repeats):

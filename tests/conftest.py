@@ -18,7 +18,8 @@ def ray_instance():
     import ray
 
     if not ray.is_initialized():
-        ray.init(address="local", include_dashboard=False, log_to_driver=False, configure_logging=False)
+        ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False, log_to_driver=False,
+                 configure_logging=False)  # loopback only, as the embedded head (nodes.start_local_head)
     yield ray
     ray.shutdown()
 

@@ -105,3 +105,56 @@ def test_predict_small_input_returns_rows_in_order():
         model.set_weights([np.ones((3, 1), np.float32)])
     got = model.predict(x, batch_size=4, verbose=0)
     np.testing.assert_array_equal(got[:, 0], x.sum(axis=1))
+
+
+# -- each input signature of the fit step compiles once -------------------------------------------
+class _CompileLog(__import__("logging").Handler):
+    """Counts JAX's "Compiling ..." log lines (jax_log_compiles) whose argument shapes hold the 7-feature input batch."""
+
+    def __init__(self):
+        super().__init__()
+        self.by_epoch: list = [0]
+
+    def emit(self, record):
+        import re
+
+        message = record.getMessage()
+        if message.startswith("Compiling") and re.search(r"float32\[(\d+,)?\d+,7\]", message):
+            self.by_epoch[-1] += 1
+
+
+@pytest.mark.parametrize("num_replicas", [0, 1, 4])
+def test_fit_compiles_each_step_signature_once(num_replicas):
+    """Plain Keras (0) compiles its train step once over 3 epochs; so must fit at 1 and 4 replicas. At 1 replica
+    Keras kept the variables' values uncommitted (one device's arrays fit the 1-device mesh), so the step
+    compiled for them, again for its own committed outputs, and again after the metrics' reset (3 in all)."""
+    import logging
+
+    import jax
+
+    x = np.random.RandomState(0).rand(64, 7).astype("float32")
+    y = x.sum(axis=1, keepdims=True)
+    log = _CompileLog()
+
+    class Epochs(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            log.by_epoch.append(0)
+
+    def build():
+        model = keras.Sequential([keras.Input((7,)), keras.layers.Dense(3), keras.layers.Dense(1)])
+        model.compile(keras.optimizers.SGD(0.01), "mse", metrics=["mae"])
+        return model
+
+    if num_replicas:
+        with mirrored(num_replicas).scope():
+            model = build()
+    else:
+        model = build()
+    logger = logging.getLogger("jax")
+    logger.addHandler(log)
+    try:
+        with jax.log_compiles(True):
+            model.fit(x, y, batch_size=16, epochs=3, shuffle=False, verbose=0, callbacks=[Epochs()])
+    finally:
+        logger.removeHandler(log)
+    assert log.by_epoch == [1, 0, 0, 0]

@@ -213,6 +213,21 @@ def mismatched_shapes(strategy):
     return out
 
 
+def host_reduces(strategy, me):
+    """Reduces of a host value (not distributed): worker ``me``'s own ``me + 1.0`` and the same 1.0 everywhere."""
+    own, one = np.float32(me + 1.0), np.float32(1.0)
+    out = {}
+    try:
+        out["sum_one"] = float(strategy.reduce("SUM", one, axis=None))
+        out["sum_own"] = float(strategy.reduce("SUM", own, axis=None))
+        out["mean_own"] = float(strategy.reduce("MEAN", own, axis=None))
+        out["reduce_to_sum"] = float(strategy.extended.reduce_to("SUM", one, one))
+        out["batch_reduce_to_sum"] = [float(x) for x in strategy.extended.batch_reduce_to("SUM", [(one, one), (one, one)])]
+    except ValueError as err:
+        out["sum_error"] = str(err)
+    return out
+
+
 # -- the worker program -------------------------------------------------------------------------
 def _worker(scenario: str, out_dir: str) -> None:
     os.environ["KERAS_BACKEND"] = "jax"
@@ -263,6 +278,8 @@ def _worker(scenario: str, out_dir: str) -> None:
         out["mismatched_shapes"] = mismatched_shapes(strategy)
         pathlib.Path(out_dir, f"worker{me}.json").write_text(json.dumps(out))
         return
+
+    out["host"] = host_reduces(strategy, me)
 
     # Every example exactly once across workers (DATA sharding of global batches).
     seen = {}
@@ -354,6 +371,17 @@ def test_run_reduce_gather_equal_single_process(two_by_two, four_replicas):
     assert expected["reduce_to"] == expected["nccl_reduce"] == [10.0] * 4 and expected["one_device_batch_reduce"] == [2.5] * 4
     assert two_by_two[0]["run"]["local"] == expected["local"][:2]
     assert two_by_two[1]["run"]["local"] == expected["local"][2:]
+
+
+def test_host_values_are_reduced_across_workers_of_one_replica(three_by_one, two_by_two):
+    """TF 2.21's strategy_common_test (multi_worker_mirrored_2x1): testReduceHostTensor, testReduceToHostTensor
+    and testBatchReduceToHostTensor reduce SUM of a host 1.0 to 2.0, one per worker (CollectiveAllReduceExtended
+    makes each worker's host value its one replica's); on 3 workers 3.0. Each worker's own value: SUM 1+2+3,
+    MEAN 2.0. With 2 replicas per worker the SUM is refused, as on one worker (TF's collective would wait)."""
+    for got in (w["host"] for w in three_by_one):
+        assert got == {"sum_one": 3.0, "sum_own": 6.0, "mean_own": 2.0, "reduce_to_sum": 3.0, "batch_reduce_to_sum": [3.0, 3.0]}
+    for got in (w["host"] for w in two_by_two):
+        assert list(got) == ["sum_error"] and "cannot be reduced with ReduceOp.SUM across 4 replicas" in got["sum_error"]
 
 
 def test_values_of_different_shapes_on_the_workers_never_abort_a_process(tmp_path):

@@ -188,6 +188,33 @@ def _optimizers():
     }
 
 
+def test_optimizer_state_sends_what_gradients_sends(monkeypatch):
+    """ZeRO-1 reduce-scatters the split gradients as ZeRO-2 does (DeepSpeed's stage 1 sends what stage 2 sends):
+    the collectives traced into the fit step are the same at both levels, none a whole split gradient's psum.
+    It all-reduced them and kept a slice: the most bytes of any level, 0.80x NONE's speed at 8 replicas."""
+    import collections
+
+    import jax
+    import keras
+
+    traced: list = []
+    for name in ("psum", "psum_scatter", "all_gather"):
+        def counting(x, *args, _name=name, _original=getattr(jax.lax, name), **kwargs):
+            traced.extend((_name, tuple(leaf.shape)) for leaf in jax.tree_util.tree_leaves(x))
+            return _original(x, *args, **kwargs)
+
+        monkeypatch.setattr(jax.lax, name, counting)
+    by_level = {}
+    for level in ("optimizer_state", "gradients"):
+        traced.clear()
+        fit_results(mirrored(2, level), lambda: keras.optimizers.Adam(0.01))
+        by_level[level] = collections.Counter(traced)
+    kernels = [("psum_scatter", (32, 64)), ("psum_scatter", (64, 32))]  # the two split kernels' gradients
+    assert all(by_level["optimizer_state"][k] for k in kernels)
+    assert not [k for k in by_level["optimizer_state"] if k[0] == "psum" and k[1] in ((32, 64), (64, 32))]
+    assert by_level["optimizer_state"] == by_level["gradients"]
+
+
 @pytest.mark.parametrize("name,level", [("sgd", "optimizer_state"), ("adam", "gradients"), ("adamw", "full"), ("adagrad", "gradients"),
                                         ("rmsprop", "optimizer_state")])
 def test_optimizers_equal_none(name, level):

@@ -225,6 +225,61 @@ def test_two_accumulated_micro_steps_equal_one_step_on_the_whole_batch(s, apply_
     assert got[0] == one[0] and got[1] == pytest.approx(one[1]) and got[2] == [0.0]
 
 
+# The same by hand over two micro-steps of 4 rows (global batch 8), read inside the run that wrote it. Recorded
+# from TF 2.21 by tests/parity/record_tf_sum_writes.py (the program below in TF: MirroredStrategy over 2 CPU
+# devices, tf.Variable(aggregation=SUM), Keras 3 SGD(0.1)): the accumulator each replica reads right after its
+# write, per micro-step, and the final w. Applied inside the last run TF gives w 0.9 (assign_add), summing the
+# summed accumulator again; here one device's 0.45 (the test after the next).
+TF_MICRO_READS = {"assign_add": [[[-1.25], [-1.25]], [[-4.5], [-4.5]]],
+                  "assign": [[[-1.25], [-1.25]], [[-5.75], [-5.75]]]}  # assign(acc + g): TF sums 2 acc + g
+TF_MICRO_W = {"assign_add": [0.45], "assign": [0.575]}
+
+
+def _micro_steps(strategy, write, apply_in_last_run):
+    x = np.arange(1, 9, dtype=np.float32).reshape(8, 1)
+    with strategy.scope():
+        w = keras.Variable([0.0])
+        accum = keras.Variable([0.0], aggregation="sum", trainable=False)
+        opt = keras.optimizers.SGD(0.1)
+        opt.build([w])
+
+    def micro(xb, last):
+        with distribute.GradientTape() as tape:
+            loss = distribute.compute_average_loss((w * xb - 1.0)[:, 0] ** 2 / 2, global_batch_size=8)
+        g = tape.gradient(loss, w)
+        accum.assign_add(g) if write == "assign_add" else accum.assign(accum + g)
+        read = accum.value
+        if apply_in_last_run and last:
+            opt.apply_gradients([(accum.value, w)])
+            accum.assign(keras.ops.zeros_like(accum.value))
+        return read
+
+    reads = []
+    for start in (0, 4):
+        for xb in strategy.experimental_distribute_dataset(distribute.data.Dataset.from_tensor_slices(x[start:start + 4]).batch(4)):
+            reads.append(local(strategy, strategy.run(micro, args=(xb, start == 4))))
+    if not apply_in_last_run:
+        opt.apply_gradients([(accum.value, w)])
+    return reads, w.numpy().tolist()
+
+
+@pytest.mark.parametrize("write", ["assign_add", "assign"])
+def test_micro_steps_read_the_summed_accumulator_in_the_run_that_wrote_it(s, write):
+    """TF reduces a write of a SUM MirroredVariable in replica context when it happens: each replica then reads
+    the sum (it was its own delta here, and apply_gradients in that run summed it again: w 0.575, not 0.45)."""
+    reads, w = _micro_steps(s, write, apply_in_last_run=False)
+    assert reads == TF_MICRO_READS[write] and w == pytest.approx(TF_MICRO_W[write])
+
+
+def test_micro_steps_applied_in_the_last_run_equal_one_step_on_the_whole_batch(s):
+    """Applied in the run of the second micro-step, w is one device's 0.45 (TF 2.21 gives 0.9: apply_gradients
+    sums the already summed mirrored accumulator over the 2 replicas again, as in the test above)."""
+    one_reads, one_w = _micro_steps(distribute.OneDeviceStrategy("/cpu:0"), "assign_add", apply_in_last_run=True)
+    reads, w = _micro_steps(s, "assign_add", apply_in_last_run=True)
+    assert one_w == pytest.approx(TF_MICRO_W["assign_add"]) and w == pytest.approx(one_w)
+    assert reads == TF_MICRO_READS["assign_add"] and [r[:1] for r in reads] == one_reads
+
+
 def test_sync_on_read_sum_variable_through_a_checkpoint(s, tmp_path):
     """Per-replica copies [1, 2] (3.0) are saved as 3.0; restored into 2 replicas each copy is 1.5, into one
     device the value is 3.0, as TF."""

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from distribute import _invocation, ownership
+from distribute import _context, _invocation, ownership
 from distribute.placement import Placement
 from distribute._keras import KerasVariable, StatelessScope
 from distribute.values import DistributedValues, Mirrored
@@ -66,14 +66,39 @@ class LiftingScope(StatelessScope):
 
     def add_update(self, update: tuple) -> None:
         variable, value = update
+        if not self.update_depth and _sums_replica_writes(variable):
+            value = self._summed_write(variable, value)
         self.state_mapping[id(variable)] = value
         self.written[id(variable)] = variable
-        if self.update_depth:
-            self.updates.add(id(variable))
+        if self.update_depth or _sums_replica_writes(variable):
+            self.updates.add(id(variable))  # identical on every replica already: combined as is
         if self.additive_depth:
             self.plain.discard(id(variable))
         else:
             self.plain.add(id(variable))
+
+    def _summed_write(self, variable: KerasVariable, value: Any) -> Any:
+        """A replica's write of a ``sum`` MirroredVariable, summed over the replicas at once (TF's merge_call).
+
+        TF's ``MirroredVariable`` with ``aggregation=SUM`` reduces a write in
+        replica context when it happens: ``assign(x)`` stores the sum of every
+        replica's ``x``; ``assign_add(d)`` adds the sum of every replica's ``d``.
+        Every replica then reads that value in the rest of the step (a hand
+        accumulator read by ``apply_gradients`` in the same ``run``).
+        """
+        context = _context.current_replica_context()
+        if context is None or not context._in_program:
+            return value
+        if not self.additive_depth:
+            return context.all_reduce("sum", value)
+        # Keras' assign_add(d) is assign(read + d): the delta is what this replica added to its read.
+        observe, self.observe_reads = self.observe_reads, False
+        try:
+            previous = self.get_current_value(variable)
+        finally:
+            self.observe_reads = observe
+        previous = jnp.asarray(previous, dtype=variable.dtype)
+        return previous + context.all_reduce("sum", jnp.asarray(value, dtype=variable.dtype) - previous)
 
     def get_current_value(self, variable: KerasVariable) -> Any:
         value = self.state_mapping.get(id(variable))
@@ -113,6 +138,12 @@ def placeholder(variable: KerasVariable) -> np.ndarray | None:
         return None
     with jax.ensure_compile_time_eval():  # concrete arrays, read outside the trace
         return np.asarray(stored if mesh is None else placement.local_value(variable, mesh.local_devices[0]))
+
+
+def _sums_replica_writes(variable: Any) -> bool:
+    """Whether a replica's write of ``variable`` is summed over the replicas when it happens (``Placement``)."""
+    placement = variable.__dict__.get("_distribute_placement")
+    return placement is not None and placement.sums_replica_writes(variable)
 
 
 def classify_outputs(out_leaves: list) -> tuple[list, list, list]:

@@ -97,8 +97,8 @@ class MirroredStrategy(MeshStrategy):
         sharding: how much of the training state is split over the replicas
             instead of copied (beyond TF): ``distribute.experimental.Sharding.NONE``
             (the default: everything replicated, TF's behaviour),
-            ``OPTIMIZER_STATE`` (ZeRO-1: optimizer slots split),
-            ``GRADIENTS`` (ZeRO-2: also gradients reduce-scattered) or ``FULL``
+            ``OPTIMIZER_STATE`` (ZeRO-1: optimizer slots split, gradients
+            reduce-scattered), ``GRADIENTS`` (ZeRO-2: the same step here) or ``FULL``
             (ZeRO-3 / FSDP: the trainable variables split too, gathered inside
             each step); the lower-case names (``"full"``) too. Results equal
             ``NONE``'s; reads in cross-replica context give whole values. With

@@ -43,6 +43,7 @@ from distribute.input.policy import InputPolicy
 from distribute.keras_support import patches
 from distribute.mesh_strategy import MeshExtended, MeshStrategy
 from distribute.sharding import Sharding
+from distribute.values import is_distributed
 
 DEFAULT_TIMEOUT_SECONDS = 300.0
 logger = logging.getLogger("distribute")
@@ -301,6 +302,14 @@ class MultiWorkerExtended(MeshExtended):
         now = self._tf_config.value
         before = self._tf_config.first
         cluster = self._cluster
+        if before is None and cluster.num_workers == 1 and now is not None:
+            logger.warning(
+                "TF_CONFIG was set after MultiWorkerMirroredStrategy was created without it (it is now %r): "
+                "the strategy trains this process alone (1 worker) and does not read TF_CONFIG again. Set "
+                "TF_CONFIG before creating the strategy (at the start of the program, or in the environment "
+                "of the process: distribute's launcher and cluster tools set it for you).", now,
+            )
+            return
         logger.warning(
             "TF_CONFIG changed after MultiWorkerMirroredStrategy was created (it was %s, it is now %s); "
             "the strategy keeps the cluster it joined at creation (%d worker(s), this is %s). A strategy "
@@ -396,7 +405,24 @@ class MultiWorkerMirroredStrategy(MeshStrategy):
 
     # -- results are returned replicated, so every worker can read them -------------------------
     def reduce(self, reduce_op: Any, value: Any, axis: int | None = None) -> Any:
+        """As :meth:`MeshStrategy.reduce`; with several workers of one replica each, a host value
+        (not distributed) is this worker's value, reduced across the workers.
+
+        As TF's ``CollectiveAllReduceExtended._reduce_to`` (testReduceHostTensor): on 2 workers
+        ``reduce("SUM", 1.0, axis=None)`` is 2.0, and MEAN of worker ``w``'s ``w + 1.0`` is 1.5.
+        With several replicas per worker a host value is reduced as on one worker (SUM raises
+        ValueError; TF's collective would wait for the missing replicas' values).
+        """
+        if axis is None and self._extended.runtime.num_workers > 1 and len(self._extended.worker_devices) == 1:
+            value = jax.tree_util.tree_map(self._as_worker_value, value, is_leaf=is_distributed)
         return self._replicated(super().reduce(reduce_op, value, axis))
+
+    def _as_worker_value(self, x: Any) -> Any:
+        """A host value as a PerReplica of this worker's one replica (TF's _make_tensor_into_per_replica)."""
+        if is_distributed(x) or getattr(x, "_distribute_strategy", None) is not None:
+            return x
+        value = jax.numpy.asarray(x)
+        return self.experimental_distribute_values_from_function(lambda _: value)
 
     def gather(self, value: Any, axis: int) -> Any:
         return self._replicated(super().gather(value, axis))

@@ -71,6 +71,10 @@ class Placement:
     def on_assign(self, variable: Any) -> None:
         """After an assignment outside any compiled step (a parameter server is told)."""
 
+    def sums_replica_writes(self, variable: Any) -> bool:
+        """Whether a replica's write inside a step is summed over the replicas at once (``LiftingScope``)."""
+        return False
+
     # -- the SPMD step (tracing.py, keras_support/trainer.py) -------------------------------
     def in_spec(self) -> Any:
         """The ``shard_map`` spec of the variable's program input."""
@@ -145,6 +149,14 @@ class Replicated(Placement):
 
     def read(self, variable: Any, value: Any) -> Any:
         return self.replica_mesh.local_copy(value)
+
+    def sums_replica_writes(self, variable: Any) -> bool:
+        """A ``sum`` MirroredVariable: TF reduces its writes in replica context when they happen.
+
+        Two replicas writing ``assign_add(1.0)`` and ``assign_add(2.0)`` leave
+        ``old + 3.0``, and both read ``old + 3.0`` in the rest of the step.
+        """
+        return variable.aggregation == "sum" and variable.synchronization != "on_read"
 
 
 class Sharded(Placement):
@@ -228,6 +240,21 @@ def placed(value: Any, sharding: Any) -> Any:
     if isinstance(value, jax.Array) and not value.is_fully_addressable:
         return _reshard_program(sharding)(value)
     return jax.device_put(value, sharding)
+
+
+def committed(value: Any, sharding: Any) -> Any:
+    """``value`` committed to ``sharding`` (None: as it is), as a variable's stored value.
+
+    Keras keeps an uncommitted array whose sharding merely fits the layout (one
+    device's array for a mesh of one device); a compiled step takes it as an
+    input of unspecified sharding, and then its own (committed) output as
+    another, which compiled each step twice at one replica.
+    """
+    if sharding is None or not isinstance(value, jax.Array) or isinstance(value, jax.core.Tracer):
+        return value
+    if value.committed and value.sharding.is_equivalent_to(sharding, value.ndim):
+        return value
+    return placed(value, sharding)
 
 
 @functools.lru_cache(maxsize=None)

@@ -5,10 +5,15 @@ ZeRO's stages behind tf.distribute's strategies (``MirroredStrategy(sharding=...
 
 * ``Sharding.NONE``: every variable and optimizer slot replicated (TF's behaviour);
 * ``Sharding.OPTIMIZER_STATE`` (ZeRO-1): optimizer slots split over the replicas;
-  gradients are all-reduced, each replica updates its slice of every variable
-  and the slices are all-gathered;
-* ``Sharding.GRADIENTS`` (ZeRO-2): also the gradients reduce-scattered (each
-  replica receives only the sum of its slice);
+  gradients are reduce-scattered (each replica receives only the sum of its
+  slice), each replica updates its slice of every variable and the slices are
+  all-gathered. As DeepSpeed's stage 1, which sends what its stage 2 sends: an
+  all-reduce then a local slice sent more and ran slower than ``NONE``;
+* ``Sharding.GRADIENTS`` (ZeRO-2): also the gradients split. Inside one compiled
+  step XLA holds a whole gradient only while it is reduce-scattered at either
+  level, so here it runs the same step as ``OPTIMIZER_STATE`` (DeepSpeed's stage
+  2 frees each gradient's other slices during the backward pass; XLA's buffer
+  assignment does that for both);
 * ``Sharding.FULL`` (ZeRO-3, FSDP's FULL_SHARD): the trainable variables
   themselves split too, all-gathered inside each step for the forward and
   backward passes.
@@ -76,8 +81,8 @@ class Sharding(enum.Enum):
 
     @property
     def scatters_gradients(self) -> bool:
-        """Whether gradients are reduce-scattered (GRADIENTS and FULL) rather than all-reduced."""
-        return self in (Sharding.GRADIENTS, Sharding.FULL)
+        """Whether gradients are reduce-scattered rather than all-reduced (every level that splits slots)."""
+        return self.splits_slots
 
     @property
     def splits_variables(self) -> bool:

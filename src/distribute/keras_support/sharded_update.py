@@ -4,8 +4,8 @@ With ``sharding=`` a level other than ``NONE`` (``sharding.py``), a variable
 whose optimizer slots are split over the replicas (``placement.update_dim``) is
 updated slice by slice inside the SPMD step, by Keras' own optimizer code:
 
-1. gradients: all-reduced and sliced (``OPTIMIZER_STATE``), or reduce-scattered
-   (``GRADIENTS``, ``FULL``: each replica receives only the sum of its slice);
+1. gradients: reduce-scattered (each replica receives only the sum of its
+   slice; at every level, as DeepSpeed's stage 1 sends what its stage 2 sends);
 2. the optimizer's ``stateless_apply`` runs on this replica's slices of the
    variables, gradients and slots (Keras sees the slices' shapes: ``shape``
    of a sliced variable is its slice's while the update runs);
@@ -137,7 +137,7 @@ def _reduce(context: Any, grads: list, dims: list) -> list:
     Whole gradients are summed with one ``_sum_gradients`` call (in an uneven
     step's replica threads too: one meeting).
     """
-    level, slices = context._sharding, context._slices
+    slices = context._slices
     whole = [i for i, (g, d) in enumerate(zip(grads, dims)) if g is not None and d is None]
     out = list(grads)
     for i, summed in zip(whole, context._sum_gradients([grads[i] for i in whole]) if whole else []):
@@ -147,10 +147,8 @@ def _reduce(context: Any, grads: list, dims: list) -> list:
             continue
         if not is_varying(g):  # summed already (autodiff of a replicated value): this replica's slice
             out[i] = slices.part(g, d)
-        elif level.scatters_gradients:
+        else:  # every level that splits the update: each replica receives only its slice's sum
             out[i] = lax.psum_scatter(g, AXIS, scatter_dimension=d, tiled=True)
-        else:
-            out[i] = slices.part(lax.psum(g, AXIS), d)
     return out
 
 
@@ -216,6 +214,7 @@ def stateless_apply(context: Any, optimizer: Any, optimizer_values: list, grads:
     mapping = {id(v): x for v, x in zip(optimizer._trainable_variables, trainable_values)}
     mapping.update({id(v): x for v, x in zip(optimizer.variables, optimizer_values)})
     scope = LiftingScope(mapping)
+    scope.update_depth += 1  # an optimizer's write: not summed over the replicas by the variable's aggregation
     with scope:
         apply(context, optimizer, grads, None, scope)
     return ([scope.state_mapping[id(v)] for v in optimizer._trainable_variables],

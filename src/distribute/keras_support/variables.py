@@ -22,6 +22,7 @@ import jax
 from distribute import _context, creation, per_copy
 from distribute._keras import get_stateless_scope
 from distribute.lifting import LiftingScope
+from distribute.placement import committed
 
 # -- cross-replica reads of a distributed variable ----------------------------------------
 _WHOLE_READS: contextvars.ContextVar[bool] = contextvars.ContextVar("distribute_whole_variable_reads", default=False)
@@ -170,6 +171,8 @@ def direct_assign(original):
         original(self, value)
         placement = self.__dict__.get("_distribute_placement")
         if placement is not None:
+            # Committed to its layout, so a step compiled for it takes it as it takes its own outputs.
+            self._value = committed(self._value, placement.layout)
             placement.on_assign(self)
 
     return _direct_assign

@@ -54,9 +54,12 @@ def join(cluster: Cluster, timeout_seconds: float) -> Any:
         return state.client
     if xla_bridge.backends_are_initialized():
         raise RuntimeError(
-            "MultiWorkerMirroredStrategy must be created before JAX starts its backend (before any "
-            "jax.devices() call or computation), since jax.distributed must join the workers first. "
-            "Create the strategy at the start of the program."
+            f"MultiWorkerMirroredStrategy for {cluster.names[cluster.worker_id]} of {cluster.num_workers} "
+            "workers (TF_CONFIG or the cluster resolver) must be created before JAX starts its backend "
+            "(before any jax.devices() call or computation), since jax.distributed must join the workers "
+            "first. A strategy created earlier in this process without TF_CONFIG (it trains this process "
+            "alone) starts that backend too. Set TF_CONFIG before creating the first strategy, at the start "
+            "of the program."
         )
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     seconds = max(int(round(timeout_seconds)), 1)
