@@ -343,3 +343,37 @@ def test_a_keras_loss_in_strategy_run_is_scaled_for_the_sum_over_replicas():
     assert losses(8) == (pytest.approx([1.75, 15.75]), pytest.approx(17.5))
     assert losses(7) == (pytest.approx([2.0, 11.0]), pytest.approx(13.0))
     assert losses(8, "sum") == (pytest.approx([14.0, 126.0]), pytest.approx(140.0))
+
+
+class TrackedLoss(keras.Model):
+    """``Model.compute_loss``'s docstring pattern: a metric updated inside the override."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.loss_tracker = keras.metrics.Mean(name="tracked")
+
+    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
+        loss = ops.mean(ops.square(y - y_pred))
+        self.loss_tracker.update_state(loss)
+        return loss
+
+    @property
+    def metrics(self):
+        return [self.loss_tracker]
+
+
+def test_a_metric_updated_inside_compute_loss_logs_one_devices_value():
+    """22 rows by 8 at 4 replicas (last batch 2/2/1/1): each replica's update counts by its rows."""
+
+    def logs(num_replicas):
+        keras.utils.set_random_seed(1)
+        strategy = _strategy(num_replicas)
+        with _scope(strategy):
+            inputs = keras.Input((5,))
+            model = TrackedLoss(inputs, keras.layers.Dense(1)(inputs))
+            model.compile(optimizer=keras.optimizers.SGD(0.1))
+        return model.fit(X, Y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0).history["tracked"]
+
+    want = logs(None)
+    for num_replicas in (2, 4):
+        np.testing.assert_allclose(logs(num_replicas), want, rtol=1e-5)

@@ -84,7 +84,7 @@ def _loss(model, trainable, non_trainable, metrics_vars, x, y, sample_weight, tr
     drops it: its share is zero.
     """
     kwargs = {"training": training} if model._call_has_training_arg else {}
-    rows = _rows(x)
+    rows, metrics_before = _rows(x), metrics_vars
     with replica_loss.replica_share(context, rows) as share:
         y_pred, non_trainable, layer_losses = model.stateless_call(trainable, non_trainable, x, return_losses=True, **kwargs)
         if layer_losses:
@@ -97,6 +97,10 @@ def _loss(model, trainable, non_trainable, metrics_vars, x, y, sample_weight, tr
         finally:
             if layer_losses:
                 model._losses_override = []
+    # Metrics updated inside compute_loss (a tracker of the loss, keras.distillation.Distiller's): each
+    # replica's change is weighted by its share of the rows, R n_r / N (1 on even batches), so that the
+    # replicas' changes, summed, are one device's update (a Mean of the batch's loss: once, its value).
+    metrics_vars = _weighted_changes(metrics_vars, metrics_before, share * context.num_replicas_in_sync)
     if rows == 0:
         # Depend on the (empty) outputs, so the backward pass meets the other replicas at
         # every collective of the forward pass (synchronized BatchNorm).
@@ -104,6 +108,19 @@ def _loss(model, trainable, non_trainable, metrics_vars, x, y, sample_weight, tr
         return loss, y_pred, non_trainable, metrics_vars, [jnp.zeros((), jnp.float32) for _ in output_losses]
     weight = jnp.asarray(share, jnp.result_type(loss))
     return loss * weight, y_pred, non_trainable, metrics_vars, [None if v is None else v * share for v in output_losses]
+
+
+def _weighted_changes(new: list, old: list, factor: float) -> list:
+    """``old + (new - old) * factor`` for each floating variable that changed (``factor`` 0: ``old``)."""
+    if factor == 1:
+        return list(new)
+    out = []
+    for n, o in zip(new, old):
+        if n is o or not jnp.issubdtype(jnp.result_type(o), jnp.floating):
+            out.append(n if factor else o)
+        else:
+            out.append((o + (n - o) * jnp.asarray(factor, jnp.result_type(o))).astype(jnp.result_type(o)))
+    return out
 
 
 def _rows(x: Any) -> int:
