@@ -181,6 +181,23 @@ def test_a_loss_term_summed_over_rows_is_the_row_weighted_mean_of_the_replicas()
     assert logged == pytest.approx(0.5 * rows[:4].sum() + 0.5 * rows[4:].sum(), rel=1e-6)
 
 
+class ActivityRegularizationLayer(keras.layers.Layer):  # keras.io, "Making new layers and models via subclassing"
+    def call(self, inputs):
+        self.add_loss(1e-2 * ops.sum(inputs))
+        return inputs
+
+
+def test_an_add_loss_summed_over_the_batch_is_tfs_share_per_replica():
+    """keras.io's ActivityRegularizationLayer: TF divides every replica's add_loss term by the replica count,
+    so 2 replicas count 1e-2 * sum(inputs) / 2 (one device: the whole sum); documented in tf_compat.md."""
+    with _strategy(2).scope():
+        inputs = keras.Input((5,))
+        model = keras.Model(inputs, keras.layers.Dense(1, kernel_initializer="zeros")(ActivityRegularizationLayer()(inputs)))
+        model.compile(optimizer="sgd", loss="mse")
+    logged = model.evaluate(X[:8], Y[:8], batch_size=8, verbose=0)
+    assert logged == pytest.approx(np.mean(np.square(Y[:8])) + 1e-2 * X[:8].sum() / 2, rel=1e-5)
+
+
 def test_masked_loss_counts_the_valid_steps_of_every_replica():
     """A mask that reaches the loss (Masking before an LSTM with return_sequences): Keras divides by the
     valid entries; the replicas hold different counts of them, and the result is still one device's."""
