@@ -125,11 +125,11 @@ def main(argv=None) -> int:
     sys.path.insert(0, str(HERE))
     from compare import environment, git_state
 
-    cpu = environment(argparse.Namespace(platform="cpu", tf_python=None))["cpu_model"]
+    cpu_model = environment(argparse.Namespace(platform="cpu", tf_python=None))["cpu_model"]
 
     lines = [f"# fit vs Keras DataParallel, one process, alternating epochs ({args.replicas} replicas)", "",
              f"- date: {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}; git {git_state()}; jax {jax.__version__}, keras {keras.__version__}; "
-             f"{cpu} ({os.cpu_count()} cores); load average before/after: {load[0][0]:.2f} / {load[1][0]:.2f}",
+             f"{cpu_model} ({os.cpu_count()} cores); load average before/after: {load[0][0]:.2f} / {load[1][0]:.2f}",
              f"- mlp, {args.samples} rows, batch {global_batch}, metrics=['accuracy'], shuffle=True, verbose=0; {args.rounds} rounds", "",
              "| system | epoch s (median) | min-max | examples/s | x Keras DP | CPU s per epoch (all threads; min-max) | DP CPU / ours |",
              "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
