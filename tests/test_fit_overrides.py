@@ -394,3 +394,28 @@ def test_a_metric_updated_inside_compute_loss_logs_one_devices_value():
     want = logs(None)
     for num_replicas in (2, 4):
         np.testing.assert_allclose(logs(num_replicas), want, rtol=1e-5)
+
+
+def test_a_train_step_override_runs_eagerly_with_run_eagerly():
+    """compile(run_eagerly=True): the override runs as Python (a float() of a value works), as in Keras."""
+    seen = []
+
+    class Eager(keras.Model):
+        def train_step(self, state, data):
+            logs, state = super().train_step(state, data)
+            seen.append(float(logs["loss"]))
+            return logs, state
+
+    def run(strategy):
+        keras.utils.set_random_seed(1)
+        with _scope(strategy):
+            inputs = keras.Input((5,))
+            model = Eager(inputs, keras.layers.Dense(1)(inputs))
+            model.compile(optimizer="sgd", loss="mse", run_eagerly=True)
+        seen.clear()
+        model.fit(X, Y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+        return list(seen)
+
+    want = run(None)
+    assert len(want) == 3
+    np.testing.assert_allclose(run(_strategy(2)), want, rtol=1e-5)

@@ -350,7 +350,8 @@ class _WholeBatchRunner:
                 return result
 
             replicated = self.strategy.extended.replica_mesh.replicated_sharding
-            self.cache[key] = jax.jit(program, donate_argnums=(0,), out_shardings=(replicated, state_shardings))
+            # compile(run_eagerly=True): the step runs as Python on the placed arrays, as Keras runs it.
+            self.cache[key] = program if self.model.run_eagerly else jax.jit(program, donate_argnums=(0,), out_shardings=(replicated, state_shardings))
         return self.cache[key]
 
 
