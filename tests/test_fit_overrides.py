@@ -363,7 +363,11 @@ class TrackedLoss(keras.Model):
 
 
 def test_a_metric_updated_inside_compute_loss_logs_one_devices_value():
-    """22 rows by 8 at 4 replicas (last batch 2/2/1/1): each replica's update counts by its rows."""
+    """22 rows by 8: the last batch (6 rows) splits 3/3 at 2 replicas, 2/2/2/0 at 4.
+
+    Each replica's update counts by its share of the rows; an empty replica's counts nothing (its
+    ``ops.mean`` of no rows is NaN, which a zero weight would keep: the metric logged NaN).
+    """
 
     def logs(num_replicas):
         keras.utils.set_random_seed(1)
@@ -372,8 +376,13 @@ def test_a_metric_updated_inside_compute_loss_logs_one_devices_value():
             inputs = keras.Input((5,))
             model = TrackedLoss(inputs, keras.layers.Dense(1)(inputs))
             model.compile(optimizer=keras.optimizers.SGD(0.1))
-        return model.fit(X, Y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0).history["tracked"]
+        history = model.fit(X, Y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0).history["tracked"]
+        # evaluate's last batch at 4 replicas: 1/1/0/0 (two empty replicas share one program).
+        return history, model.evaluate(X, Y, batch_size=BATCH, verbose=0), model.evaluate(X[:2], Y[:2], verbose=0)
 
     want = logs(None)
+    assert np.isfinite(want[0]).all()
     for num_replicas in (2, 4):
-        np.testing.assert_allclose(logs(num_replicas), want, rtol=1e-5)
+        got = logs(num_replicas)
+        np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
+        np.testing.assert_allclose(got[1:], want[1:], rtol=1e-5)
