@@ -1,7 +1,7 @@
 """Keras 3's own ways of customizing fit, under a strategy: equal to one device (issue 25, items 1 and 2).
 
 Each case trains the same model on the same data (22 rows, batch 8: the last batch has 6 rows,
-split 2/2/1/1 at 4 replicas: an uneven step) with no strategy and under MirroredStrategy at 1, 2
+split 2/2/2/0 at 4 replicas, as TF splits it: an uneven step with an empty replica) with no strategy and under MirroredStrategy at 1, 2
 and 4 replicas, and compares the per-epoch losses and the final weights (and evaluate / predict).
 
 The programs are ported from keras.io by substitution (the model in ``strategy.scope()``):
@@ -144,7 +144,7 @@ def test_compute_loss_override_under_sharded_state_equals_one_device(one_device)
 @pytest.mark.parametrize("case", ["plain_ops", "mean_with_sample_weight"])
 def test_a_last_batch_with_empty_replicas_equals_one_device(case):
     """17 rows by 8 at 4 replicas: the last batch's one row on replica 0, replicas 1-3 empty (they still
-    meet the others where the loss sums every replica's weights)."""
+    meet the others where the loss sums every replica's weights). The 22-row cases end 2/2/2/0."""
     _assert_equal_one_device(_train(case, 4, rows=17), _train(case, None, rows=17))
 
 
@@ -380,7 +380,11 @@ class TrackedLoss(keras.Model):
 
 
 def test_a_metric_updated_inside_compute_loss_logs_one_devices_value():
-    """22 rows by 8 at 4 replicas (last batch 2/2/1/1): each replica's update counts by its rows."""
+    """22 rows by 8: the last batch (6 rows) splits 3/3 at 2 replicas, 2/2/2/0 at 4.
+
+    Each replica's update counts by its share of the rows; an empty replica's counts nothing (its
+    ``ops.mean`` of no rows is NaN, which a zero weight would keep: the metric logged NaN).
+    """
 
     def logs(num_replicas):
         keras.utils.set_random_seed(1)
@@ -389,11 +393,16 @@ def test_a_metric_updated_inside_compute_loss_logs_one_devices_value():
             inputs = keras.Input((5,))
             model = TrackedLoss(inputs, keras.layers.Dense(1)(inputs))
             model.compile(optimizer=keras.optimizers.SGD(0.1))
-        return model.fit(X, Y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0).history["tracked"]
+        history = model.fit(X, Y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0).history["tracked"]
+        # evaluate's last batch at 4 replicas: 1/1/0/0 (two empty replicas share one program).
+        return history, model.evaluate(X, Y, batch_size=BATCH, verbose=0), model.evaluate(X[:2], Y[:2], verbose=0)
 
     want = logs(None)
+    assert np.isfinite(want[0]).all()
     for num_replicas in (2, 4):
-        np.testing.assert_allclose(logs(num_replicas), want, rtol=1e-5)
+        got = logs(num_replicas)
+        np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
+        np.testing.assert_allclose(got[1:], want[1:], rtol=1e-5)
 
 
 def test_a_train_step_override_runs_eagerly_with_run_eagerly():

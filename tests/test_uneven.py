@@ -181,6 +181,34 @@ def test_batch_norm_empty_replica_contributes_nothing_in_custom_loop():
     np.testing.assert_allclose(np.asarray(model.layers[1].moving_mean), tf_fixture()["uneven"]["batch_norm_fit_one_device"]["moving_mean"], rtol=1e-6)
 
 
+@pytest.mark.parametrize("eager", [False, True])
+def test_an_empty_replicas_nan_does_not_reach_a_mean_variable(eager):
+    """2 rows over 4 replicas (1 | 1 | 0 | 0): the empty replicas assign the mean of no rows, NaN.
+
+    A ``mean`` variable is the mean over the replicas with rows, one device's mean of the batch (6.0):
+    an empty replica contributes nothing, where a zero weight times its NaN would still be NaN.
+    Compiled per-replica programs (the two empty replicas share one) and the eager threads alike.
+    """
+    s = mirrored(4)
+    with s.scope():
+        variable = keras.Variable(0.0, trainable=False, aggregation="mean")
+    x = _first_batch(s, (5.0, 7.0), 8)
+
+    ran_eagerly = []
+
+    def step(v):
+        if eager:
+            _ctx().all_gather(v, 0)  # its shape depends on the other replicas: one thread per replica
+        ran_eagerly.append(bool(getattr(_ctx(), "_runs_eagerly", False)))
+        variable.assign(jnp.mean(v))
+        return jnp.mean(v)
+
+    means = local_lists(s, s.run(step, args=(x,)))
+    assert any(ran_eagerly) == eager  # (also traced: the variables, and the per-replica programs tried)
+    assert means[:2] == [5.0, 7.0] and np.isnan(means[2:]).all()
+    assert float(variable.numpy()) == float(np.mean([5.0, 7.0]))
+
+
 @pytest.mark.parametrize("num_samples", [32, 34])
 def test_synchronized_batch_norm_equals_one_device(num_samples):
     rng = np.random.default_rng(0)

@@ -156,7 +156,7 @@ class HostCollectives:
             rows = None if self.rows is None else self.rows[self.first + local]
             has_rows = np.float32(0.0 if rows == 0 else 1.0)
             differs = [np.int32(np.any(ns[i] != totals[local][i])) for i in others]
-            weighted = [ns[i] * has_rows.astype(ns[i].dtype) if np.issubdtype(ns[i].dtype, np.inexact) else ns[i] for i in others]
+            weighted = [_unless_empty(ns[i], bool(has_rows)) for i in others]
             payload.append([*differs, *weighted, has_rows])
         sums = self.sum(payload)
         for local, summed in enumerate(sums):
@@ -189,13 +189,18 @@ class HostCollectives:
                 if not (spec.aggregation == "mean" or (spec.aggregation == "none" and not spec.trainable)):
                     raise different_values_error(spec)
                 # The mean over the replicas that had rows (an empty replica contributes nothing).
-                weighted = [v * np.asarray(1.0 if rows else 0.0, v.dtype) if np.issubdtype(v.dtype, np.inexact) else v
-                            for v, rows in zip(values, has_rows)]
+                weighted = [_unless_empty(v, rows) for v, rows in zip(values, has_rows)]
                 total = np.sum(np.stack(weighted), axis=0, dtype=value.dtype)
                 count = np.maximum(np.float32(sum(has_rows)), np.float32(1.0))
                 value = (total / count.astype(total.dtype)).astype(value.dtype)
             combined.append([value] * len(new))
         return [list(per_replica) for per_replica in zip(*combined)]
+
+
+def _unless_empty(value: np.ndarray, has_rows: bool) -> np.ndarray:
+    """``value``, or zeros for an empty replica: it contributes nothing (its value of zero rows is often NaN,
+    and ``NaN * 0`` would still be NaN)."""
+    return value if has_rows else np.zeros_like(value)
 
 
 def _check_same(values: list, what: str) -> None:

@@ -111,13 +111,19 @@ def _loss(model, trainable, non_trainable, metrics_vars, x, y, sample_weight, tr
 
 
 def _weighted_changes(new: list, old: list, factor: float) -> list:
-    """``old + (new - old) * factor`` for each floating variable that changed (``factor`` 0: ``old``)."""
+    """``old + (new - old) * factor`` for each floating variable that changed (``factor`` 0: ``old``).
+
+    ``factor`` 0 (an empty replica of an uneven step) keeps ``old`` itself, not ``old + change * 0``:
+    a mean over zero rows is NaN, and NaN * 0 is NaN, which the replicas' sum would carry into the metric.
+    """
     if factor == 1:
         return list(new)
+    if factor == 0:
+        return list(old)
     out = []
     for n, o in zip(new, old):
         if n is o or not jnp.issubdtype(jnp.result_type(o), jnp.floating):
-            out.append(n if factor else o)
+            out.append(n)
         else:
             out.append((o + (n - o) * jnp.asarray(factor, jnp.result_type(o))).astype(jnp.result_type(o)))
     return out
