@@ -432,3 +432,20 @@ def test_a_train_step_override_runs_eagerly_with_run_eagerly():
     want = run(None)
     assert len(want) == 3
     np.testing.assert_allclose(run(_strategy(2)), want, rtol=1e-5)
+
+
+def test_a_loss_object_given_as_a_metric_is_one_devices_metric():
+    """compile(metrics=[keras.losses.MeanAbsoluteError()]): a metric, not a share of the loss (it was
+    halved at 2 replicas when strategy.run's scaling of Keras losses reached fit's metrics)."""
+
+    def evaluate(num_replicas):
+        keras.utils.set_random_seed(0)
+        with _scope(_strategy(num_replicas)):
+            inputs = keras.Input((5,))
+            model = keras.Model(inputs, keras.layers.Dense(1)(inputs))
+            model.compile(optimizer="sgd", loss="mse", metrics=[keras.losses.MeanAbsoluteError()])
+        return model.evaluate(X, Y, batch_size=BATCH, verbose=0)
+
+    # 2 replicas: every batch splits evenly (the last, 6 rows, 3/3). An uneven batch (4 replicas: 2/2/2/0) still
+    # averages the replicas' means of such a metric, not its rows (the note of stop 24 says so).
+    np.testing.assert_allclose(evaluate(2), evaluate(None), rtol=1e-5)

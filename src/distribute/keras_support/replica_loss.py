@@ -70,9 +70,24 @@ def replica_share(context: Any, rows: int) -> Iterator[float]:
         _ACTIVE.value = previous
 
 
+@contextlib.contextmanager
+def fit_step() -> Iterator[None]:
+    """Marks a fit step's replica code: outside its loss (``replica_share``), Keras losses reduce as on one
+    device (a ``Loss`` object given to ``compile(metrics=...)`` is a metric, not a share of the loss)."""
+    previous = getattr(_ACTIVE, "value", None)
+    _ACTIVE.value = _METRICS
+    try:
+        yield
+    finally:
+        _ACTIVE.value = previous
+
+
+_METRICS = ("metrics", None)  # _ACTIVE's value in a fit step outside its loss
+
+
 def active() -> bool:
     """Whether a fit step's replica is computing its loss on this thread."""
-    return getattr(_ACTIVE, "value", None) is not None
+    return getattr(_ACTIVE, "value", None) not in (None, _METRICS)
 
 
 def _sum_all(context: Any, value: Any) -> Any:
@@ -89,6 +104,8 @@ def reduce_values(original: Any) -> Any:
         if state is None:
             loss = original(values, sample_weight, reduction)
             return loss if reduction == "sum" else _scaled_for_run(loss, values)
+        if state is _METRICS:
+            return original(values, sample_weight, reduction)
         share, context = state
         total = jnp.sum(values)
         if reduction == "mean_with_sample_weight" and sample_weight is not None:
@@ -128,7 +145,7 @@ def apply_mask(original: Any) -> Any:
 
     def apply(sample_weight, mask, dtype, reduction):
         state = getattr(_ACTIVE, "value", None)
-        if state is None or mask is None or reduction not in ("mean", "sum_over_batch_size"):
+        if state is None or state is _METRICS or mask is None or reduction not in ("mean", "sum_over_batch_size"):
             return original(sample_weight, mask, dtype, reduction)
         share, context = state
         mask = jnp.asarray(mask).astype(dtype)

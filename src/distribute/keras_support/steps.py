@@ -201,8 +201,9 @@ def train_step(model: Any, strategy: Any, variables: list, treedef: Any):
     def step(state, leaves):
         context = _context.current_replica_context()
         trainable, non_trainable, opt_vars, metrics_vars = state
-        loss, new_non_trainable, new_metrics, output_losses, grads = local(trainable, non_trainable, opt_vars, metrics_vars, leaves)
-        logs, new_metrics = _update_metrics(model, context, metrics_vars, new_metrics, loss, output_losses)
+        with replica_loss.fit_step():
+            loss, new_non_trainable, new_metrics, output_losses, grads = local(trainable, non_trainable, opt_vars, metrics_vars, leaves)
+            logs, new_metrics = _update_metrics(model, context, metrics_vars, new_metrics, loss, output_losses)
         new_trainable, new_opt = optimizers.stateless_apply(context, model.optimizer, opt_vars, grads, trainable)
         state = (
             list(new_trainable),
@@ -227,8 +228,9 @@ def test_step(model: Any, strategy: Any, variables: list, treedef: Any):
     def step(state, leaves):
         context = _context.current_replica_context()
         trainable, non_trainable, metrics_vars = state
-        loss, new_non_trainable, new_metrics, output_losses = local(trainable, non_trainable, metrics_vars, leaves)
-        logs, new_metrics = _update_metrics(model, context, metrics_vars, new_metrics, loss, output_losses)
+        with replica_loss.fit_step():
+            loss, new_non_trainable, new_metrics, output_losses = local(trainable, non_trainable, metrics_vars, leaves)
+            logs, new_metrics = _update_metrics(model, context, metrics_vars, new_metrics, loss, output_losses)
         return logs, (list(trainable), context._combine_all(variables[1], new_non_trainable, non_trainable), new_metrics)
 
     return step
