@@ -314,6 +314,14 @@ def launch(argv_or_command: Sequence[str] | str, num_workers: int, devices_per_w
         # A worker that stopped because another was lost (status 75) is not the cause when the lost one has
         # ended too by this poll (they end milliseconds apart).
         ended_badly = [t for t in tasks if t.proc.poll() not in (None, 0)]
+        if ended_badly and all(t.proc.returncode == EXIT_WORKER_LOST for t in ended_badly):
+            # Only workers that stopped for a lost peer have ended: the peer that failed may still be in its
+            # interpreter's exit (it failed first, but its teardown can end later on a loaded machine). Wait a
+            # moment (bounded) for it before naming a worker that only reacted to it.
+            deadline = time.monotonic() + _LOST_PEER_WAIT_SECONDS
+            while time.monotonic() < deadline and not any(t.proc.poll() not in (None, 0, EXIT_WORKER_LOST) for t in tasks):
+                time.sleep(0.01)
+            ended_badly = [t for t in tasks if t.proc.poll() not in (None, 0)]
         failed = next((t for t in ended_badly if t.proc.returncode != EXIT_WORKER_LOST), None) or next(iter(ended_badly), None)
         if failed is not None:
             others = [t.name for t in tasks if t is not failed and t.proc.poll() is None]
@@ -326,6 +334,10 @@ def launch(argv_or_command: Sequence[str] | str, num_workers: int, devices_per_w
         return (0, None) if all(t.proc.poll() == 0 for t in tasks) else None
 
     return supervise(specs, ended, _Output(echo), timeout_seconds, grace_seconds)
+
+
+# How long the launcher waits, once only status-75 workers have ended, for the peer they lost to end too.
+_LOST_PEER_WAIT_SECONDS = 1.0
 
 
 def supervise(specs: list[tuple[str, int, list[str], dict[str, str]]], ended: Callable[..., Any], output: _Output,
