@@ -17,7 +17,7 @@ import numpy as np
 
 from distribute import _context
 from distribute._keras import DataAdapter, tree
-from distribute.keras_support import trainer
+from distribute.keras_support import interrupts, trainer
 from distribute.keras_support.data_adapter import adapt
 from distribute.mesh_strategy import MeshStrategy
 
@@ -132,7 +132,7 @@ def in_scope(original):
         if original.__name__ == "fit":
             self.__dict__["_distribute_partial_rows"] = _partial_rows(args, kwargs)
         try:
-            with strategy.scope():
+            with strategy.scope(), interrupts.kept():
                 return original(self, *args, **kwargs)
         finally:
             self.__dict__.pop("_distribute_partial_rows", None)

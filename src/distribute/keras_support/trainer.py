@@ -49,6 +49,7 @@ from distribute._keras import JAXTrainer, copy_thread_state, tree
 from distribute.engine.host import HostCollectives
 from distribute.input.splitting import split_batch, split_counts
 import distribute.keras_support.steps as steps
+from distribute.keras_support import interrupts
 from distribute.lifting import check_ownership
 
 
@@ -405,6 +406,7 @@ def make_function(model, strategy, force, kind: str):
     if kind == "predict":
 
         def function(state, iterator):
+            interrupts.raise_pending()
             outputs, state = runner(state, iterator)
             if len(outputs) == 1:
                 return tree.map_structure(np.asarray, outputs[0]), state
@@ -413,6 +415,7 @@ def make_function(model, strategy, force, kind: str):
     else:
 
         def function(state, iterator):
+            interrupts.raise_pending()
             outputs, state = runner(state, iterator)
             return outputs[-1], state
 
