@@ -61,40 +61,67 @@ def test_ctrl_c_during_uneven_steps_is_a_clean_keyboard_interrupt():
                 process.wait()
 
 
-def test_ctrl_c_swallowed_on_its_way_still_stops_fit():
-    """A KeyboardInterrupt dropped where Python code runs under C that clears errors is raised at the next step.
 
-    The callback plays that C code: Ctrl-C arrives while it runs and it drops the
-    KeyboardInterrupt.  Without the record kept by keras_support.interrupts, fit
-    trained on (the compile-ahead case above, once in about four loaded suite runs).
+def test_ctrl_c_during_fit_stops_at_the_next_step_keeping_the_finished_steps():
+    """Ctrl-C during fit's 3rd step: KeyboardInterrupt after it, the model holds exactly 3 steps' weights, usable.
+
+    The signal comes from inside the 3rd step's program (a debug callback), so Python
+    handles it just after the program returned: it used to raise before the new state
+    was stored, leaving the model with donated (deleted) arrays.  A callback that drops
+    a KeyboardInterrupt (as C code that clears errors does) cannot hide the Ctrl-C either.
+    Expected: one device (no strategy) trained 3 steps from the same weights.
     """
+    import jax
     import keras
     import numpy as np
 
     import distribute
 
+    calls = []
+
+    def on_replica_step(_):
+        calls.append(1)
+        if len(calls) == 5:  # first replica of the 3rd step (2 replicas)
+            os.kill(os.getpid(), signal.SIGINT)
+
+    class Probe(keras.layers.Layer):
+        def call(self, x):
+            jax.debug.callback(on_replica_step, x[0, 0])
+            return x
+
+    def build():
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3), Probe(), keras.layers.Dense(1)])
+        model.compile(optimizer="adam", loss="mse")
+        return model
+
+    rng = np.random.default_rng(0)
+    x, y = rng.random((64, 4), dtype=np.float32), rng.random((64, 1), dtype=np.float32)
     strategy = distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
     with strategy.scope():
-        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
-        model.compile(optimizer="sgd", loss="mse")
-    batches = []
+        model = build()
+    initial = model.get_weights()
+    after_callback = []
 
-    class SwallowsCtrlC(keras.callbacks.Callback):
+    class DropsCtrlC(keras.callbacks.Callback):  # a KeyboardInterrupt raised here would be dropped
         def on_train_batch_end(self, batch, logs=None):
-            batches.append(batch)
-            if len(batches) == 2:
-                try:
-                    os.kill(os.getpid(), signal.SIGINT)
-                    time.sleep(1.0)  # the handler runs here
-                except KeyboardInterrupt:
-                    pass  # dropped
+            try:
+                after_callback.append(batch)
+            except KeyboardInterrupt:
+                pass
 
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # as at a terminal
     try:
         with pytest.raises(KeyboardInterrupt):
-            model.fit(np.ones((64, 4), np.float32), np.ones((64, 1), np.float32), batch_size=8, epochs=100, verbose=0,
-                      callbacks=[SwallowsCtrlC()])
+            model.fit(x, y, batch_size=8, epochs=100, shuffle=False, verbose=0, callbacks=[DropsCtrlC()])
         assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # fit restored it
     finally:
         signal.signal(signal.SIGINT, previous)
-    assert len(batches) == 2, batches  # stopped before the step after the dropped interrupt
+    assert after_callback == [0, 1, 2] and int(model.optimizer.iterations.numpy()) == 3
+    reference = build()
+    reference.set_weights(initial)
+    reference.fit(x[:24], y[:24], batch_size=8, epochs=1, shuffle=False, verbose=0)
+    for got, want in zip(model.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(model.evaluate(x, y, batch_size=8, verbose=0), reference.evaluate(x, y, batch_size=8, verbose=0), rtol=1e-5)
+    model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)  # and trains on
+    assert int(model.optimizer.iterations.numpy()) == 11

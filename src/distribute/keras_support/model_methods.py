@@ -8,6 +8,7 @@ scope with ``distribute.data`` inputs adapted; ``make_*_function`` builds the di
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Any
 
@@ -132,7 +133,7 @@ def in_scope(original):
         if original.__name__ == "fit":
             self.__dict__["_distribute_partial_rows"] = _partial_rows(args, kwargs)
         try:
-            with strategy.scope(), interrupts.kept():
+            with strategy.scope(), interrupts.kept() if isinstance(strategy, MeshStrategy) else contextlib.nullcontext():
                 return original(self, *args, **kwargs)
         finally:
             self.__dict__.pop("_distribute_partial_rows", None)

@@ -173,6 +173,7 @@ class _StepRunner:
                     raise
                 break
         try:
+            interrupts.raise_pending()  # Ctrl-C since the last step: stop here, the state given back
             return self._run(state, batches, steps)
         except BaseException:
             _restore_purged(self.variables, state)
@@ -315,6 +316,7 @@ class _WholeBatchRunner:
         steps = max(int(self.model.steps_per_execution), 1)
         outputs = []
         try:
+            interrupts.raise_pending()  # Ctrl-C since the last step: stop here, the state given back
             for index in range(steps):
                 try:
                     data = next(iterator)
@@ -406,7 +408,6 @@ def make_function(model, strategy, force, kind: str):
     if kind == "predict":
 
         def function(state, iterator):
-            interrupts.raise_pending()
             outputs, state = runner(state, iterator)
             if len(outputs) == 1:
                 return tree.map_structure(np.asarray, outputs[0]), state
@@ -415,7 +416,6 @@ def make_function(model, strategy, force, kind: str):
     else:
 
         def function(state, iterator):
-            interrupts.raise_pending()
             outputs, state = runner(state, iterator)
             return outputs[-1], state
 
