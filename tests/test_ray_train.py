@@ -148,6 +148,14 @@ def test_strategy_finds_the_ray_train_group_by_itself(monkeypatch):
     monkeypatch.setattr(utils, "_train_fn_utils", None)  # Ray imported, but no training function here
     assert type(default_resolver()).__name__ == "TFConfigClusterResolver"
 
+    v1 = types.ModuleType(ray_train._V1_SESSION)  # a worker of a Ray Train v1 job (RAY_TRAIN_V2_ENABLED=0)
+    v1._session = types.SimpleNamespace(world_size=2)
+    monkeypatch.setitem(sys.modules, ray_train._V1_SESSION, v1)
+    with pytest.raises(NotImplementedError, match=r"Ray Train v1 job of 2 workers.*Ray Train v2.*or give the strategy a cluster_resolver"):
+        default_resolver()
+    v1._session.world_size = 1  # a Ray Tune trial: one worker, the strategy trains alone as TF does without TF_CONFIG
+    assert type(default_resolver()).__name__ == "TFConfigClusterResolver"
+
 
 def test_ray_train_resolver_outside_a_training_function_says_where_to_build_it():
     from distribute.cluster import RayTrainClusterResolver

@@ -30,12 +30,20 @@ def default_resolver(environ: MutableMapping[str, str] | None = None) -> Cluster
 
     ``environ`` (tests) replaces ``os.environ``; the Ray Train check reads no environment.
     """
-    from distribute.cluster.ray_train import RayTrainClusterResolver, in_ray_train_worker
+    from distribute.cluster.ray_train import RayTrainClusterResolver, in_ray_train_worker, ray_train_v1_world_size
     from distribute.cluster.slurm import SlurmClusterResolver
     from distribute.cluster.tfconfig_resolver import TFConfigClusterResolver
 
     if in_ray_train_worker():
         return RayTrainClusterResolver()
+    v1_workers = ray_train_v1_world_size()
+    if v1_workers is not None and v1_workers > 1:
+        raise NotImplementedError(
+            f"MultiWorkerMirroredStrategy() runs in a worker of a Ray Train v1 job of {v1_workers} workers "
+            "(RAY_TRAIN_V2_ENABLED=0), which it cannot take its cluster from; run the job on Ray Train v2 (the "
+            "default of Ray 2.60: unset RAY_TRAIN_V2_ENABLED, use ray.train.v2.jax.JaxTrainer), or give the "
+            "strategy a cluster_resolver."
+        )
     if _env.tf_config_text(environ) is None and in_slurm_step(environ):
         return SlurmClusterResolver(env=environ)
     text = _env.tf_config_text(environ)

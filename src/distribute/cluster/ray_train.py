@@ -31,10 +31,11 @@ from distribute.cluster.cluster_spec import ClusterSpec
 from distribute.cluster.ports import free_ports
 from distribute.cluster.resolver import ClusterResolver, format_master_url
 
-__all__ = ["RayTrainClusterResolver", "in_ray_train_worker"]
+__all__ = ["RayTrainClusterResolver", "in_ray_train_worker", "ray_train_v1_world_size"]
 
 LOOPBACK = "127.0.0.1"
 _TRAIN_FN_UTILS = "ray.train.v2._internal.execution.train_fn_utils"  # set up by Ray Train v2 in each worker
+_V1_SESSION = "ray.train._internal.session"  # Ray Train v1's (deprecated) per-worker session
 
 
 def in_ray_train_worker() -> bool:
@@ -46,6 +47,17 @@ def in_ray_train_worker() -> bool:
     """
     module = sys.modules.get(_TRAIN_FN_UTILS)
     return module is not None and getattr(module, "_train_fn_utils", None) is not None
+
+
+def ray_train_v1_world_size() -> int | None:
+    """The world size of the Ray Train v1 session this process runs in (``RAY_TRAIN_V2_ENABLED=0``), else None.
+
+    Ray Tune's function trials have such a session too, of one worker.
+    """
+    module = sys.modules.get(_V1_SESSION)
+    session = getattr(module, "_session", None) if module is not None else None
+    size = getattr(session, "world_size", None)
+    return int(size) if size is not None else None
 
 
 def _ray_train_context() -> Any:
