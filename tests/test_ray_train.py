@@ -17,6 +17,7 @@ import pathlib
 import signal
 import sys
 import threading
+import time
 import types
 
 import numpy as np
@@ -68,6 +69,11 @@ def train_loop(config: dict) -> None:
 
         def on_train_batch_end(self, batch, logs=None):
             if rank == 1 and self.epoch == KILL_EPOCH and batch == KILL_BATCH and not marker.exists():
+                backup = pathlib.Path(config["backup"], f"backup-{KILL_EPOCH}")  # after epoch 0: committed by a rename
+                for _ in range(600):  # the chief's save is asynchronous: kill once it is on disk (a few ms here)
+                    if backup.is_dir():
+                        break
+                    time.sleep(0.05)
                 marker.write_text(str(os.getpid()))  # once: the restarted worker 1 trains on
                 os.kill(os.getpid(), signal.SIGKILL)
 
@@ -205,6 +211,7 @@ def test_jax_trainer_fit_survives_a_killed_worker_with_one_devices_weights(ray_i
     assert not fit.is_alive(), f"JaxTrainer.fit did not end within {FIT_TIMEOUT_SECONDS} s"
     assert result["value"].error is None, result["value"].error
 
+    assert not (tmp_path / "backup").exists()  # BackupAndRestore removes its backups when fit ends
     killed = int((out / "killed").read_text())
     for rank in range(2):
         generations = _lines(out / f"generations-rank{rank}.txt")
