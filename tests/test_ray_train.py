@@ -57,7 +57,8 @@ def train_loop(config: dict) -> None:
     out = pathlib.Path(config["out"])
     resolver = strategy.cluster_resolver
     with open(out / f"generations-rank{rank}.txt", "a") as f:
-        f.write(json.dumps({"pid": os.getpid(), "coordinator": resolver.cluster_spec().task_address("worker", 0),
+        f.write(json.dumps({"pid": os.getpid(), "resolver": type(resolver).__name__,
+                            "coordinator": resolver.cluster_spec().task_address("worker", 0),
                             "replicas": strategy.num_replicas_in_sync, "is_chief": resolver.is_chief}) + "\n")
     with strategy.scope():
         model = build()
@@ -216,6 +217,7 @@ def test_jax_trainer_fit_survives_a_killed_worker_with_one_devices_weights(ray_i
     for rank in range(2):
         generations = _lines(out / f"generations-rank{rank}.txt")
         assert len(generations) == 2  # the worker group, then the one Ray Train restarted after the kill
+        assert {g["resolver"] for g in generations} == {"RayTrainClusterResolver"}  # found by MultiWorkerMirroredStrategy()
         assert [g["replicas"] for g in generations] == [2, 2] and [g["is_chief"] for g in generations] == [rank == 0] * 2
         first, second = (g["coordinator"] for g in generations)
         assert first.startswith("127.0.0.1:") and second.startswith("127.0.0.1:")
