@@ -6,6 +6,7 @@ Re-exports :mod:`distribute.cluster` (which never imports JAX).
 from distribute.cluster import (
     ClusterResolver,
     ClusterSpec,
+    RayTrainClusterResolver,
     SimpleClusterResolver,
     SlurmClusterResolver,
     TFConfigClusterResolver,
@@ -14,6 +15,7 @@ from distribute.cluster import (
 __all__ = [
     "ClusterResolver",
     "ClusterSpec",
+    "RayTrainClusterResolver",  # beyond TF: the worker group of a Ray Train job
     "SimpleClusterResolver",
     "SlurmClusterResolver",
     "TFConfigClusterResolver",

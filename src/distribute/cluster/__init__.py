@@ -5,6 +5,7 @@ here imports JAX, so a launcher or a resolver costs milliseconds.
 """
 
 from distribute.cluster.cluster_spec import ClusterSpec
+from distribute.cluster.ray_train import RayTrainClusterResolver, in_ray_train_worker
 from distribute.cluster.resolver import ClusterResolver, SimpleClusterResolver, format_master_url
 from distribute.cluster.roles import (
     CHIEF,
@@ -30,6 +31,7 @@ __all__ = [
     "WORKER",
     "ClusterResolver",
     "ClusterSpec",
+    "RayTrainClusterResolver",
     "SimpleClusterResolver",
     "SlurmClusterResolver",
     "TFConfig",
@@ -39,6 +41,7 @@ __all__ = [
     "expand_hostlist",
     "expand_tasks_per_node",
     "format_master_url",
+    "in_ray_train_worker",
     "is_chief",
     "num_workers",
     "parse_tf_config",
