@@ -65,6 +65,20 @@ class Placement:
         """What a read in cross-replica context returns, given the stored ``value``."""
         return value
 
+    def initialize_with(self, variable: Any, initializer: Any) -> bool:
+        """Called instead of Keras making the first value from ``initializer``; True: the placement made it
+        elsewhere (a parameter server makes a large variable on its ps), so Keras makes nothing here."""
+        return False
+
+    def remote(self, variable: Any) -> bool:
+        """Whether this process holds no value of the variable (a large ps variable; ``stored`` gathers it)."""
+        return False
+
+    def stored(self, variable: Any) -> Any:
+        """The variable's stored value for a read outside any step (a parameter server gathers a variable
+        the coordinator holds no copy of)."""
+        return variable._value
+
     def before_read(self, variable: Any) -> None:
         """Before a read outside any compiled step (a parameter server's copy is made current)."""
 

@@ -61,9 +61,20 @@ def variable_value(original):
 
     def value(self):
         placement = self.__dict__.get("_distribute_placement")
-        if placement is not None and get_stateless_scope() is None:
+        scope = get_stateless_scope()
+        if placement is not None and scope is not None and placement.remote(self):
+            # A variable the coordinator holds no value of (a large ps variable): a traced function reads
+            # its program input, or while the trace discovers its inputs a stand-in of its shape.
+            mapped = scope.get_current_value(self)
+            if mapped is None:
+                mapped = jax.numpy.broadcast_to(jax.numpy.zeros((), self._dtype), self._shape) \
+                    if isinstance(scope, LiftingScope) else placement.stored(self)
+            return self._maybe_autocast(mapped)
+        if placement is not None and scope is None:
             placement.before_read(self)  # a ParameterServerStrategy variable: its coordinator copy made current (TF reads the ps)
-        current = self._value
+            current = placement.stored(self)  # a large one with no coordinator copy: gathered from its ps
+        else:
+            current = self._value
         if current is None or get_stateless_scope() is not None:
             # Inside any stateless scope (strategy.run's and fit's programs, Keras'
             # stateless_call / stateless_apply): Keras' own answer.
@@ -162,6 +173,19 @@ def variable_initialized(original):
             placement.on_initialized(self)
 
     return initialize
+
+
+def variable_initialized_with(original):
+    """``_initialize_with_initializer``: its placement may make the value elsewhere (a large ps variable on its ps)."""
+    initialized = variable_initialized(original)
+
+    def _initialize_with_initializer(self, initializer):
+        placement = placement_of(self)
+        if placement is not None and placement.initialize_with(self, initializer):
+            return None
+        return initialized(self, initializer)
+
+    return _initialize_with_initializer
 
 
 def direct_assign(original):

@@ -67,6 +67,17 @@ class ParameterServer(_Served):
         return self._version
 
     @_locked
+    def create_from(self, specs: dict) -> int:
+        """Makes and stores values from initializer descriptions (key -> ``(spec, shape, dtype, start)``,
+        ``initializers.make``): a variable created on this ps, never sent whole.  Returns the version."""
+        from distribute.parameter_server.initializers import make
+
+        for key, (spec, shape, dtype, start) in specs.items():
+            self._replace(key, make(spec, shape, dtype, start))
+        self._version += 1
+        return self._version
+
+    @_locked
     def write_rows(self, key: int, start: int, rows: Any, shape: tuple, dtype: str) -> int:
         """Writes ``rows`` at ``start`` of ``key``'s value (created as zeros of ``shape`` if new or of another shape).
 

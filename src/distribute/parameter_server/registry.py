@@ -5,10 +5,15 @@ key per shard; shards are placed round-robin, ``ps = count % num_ps`` with the
 count going up per variable or shard, as TF's ``_create_variable_round_robin``.
 An optimizer slot takes its model variable's placement (TF colocates slots).
 
-The coordinator keeps a copy of every value (the Keras variable itself): it is
-sent to the ps before the first scheduled function that needs it, refreshed from
-the ps by ``ClusterCoordinator.join()``, and pushed to the ps when assigned on the
-coordinator.
+Small variables (up to ``REMOTE_BYTES``: biases, dense kernels, metrics) keep a
+copy on the coordinator (the Keras variable's own value): sent to the ps before
+the first scheduled function that needs it, refreshed from the ps by
+``ClusterCoordinator.join()``, pushed to the ps when assigned on the coordinator.
+A larger one (an embedding table and its optimizer slots) is *remote*: made on
+its ps at creation (from its initializer, ``initializers.py``, or sent in pieces
+when the user gave an array), and the coordinator holds only :class:`OnPs`, its
+shape and dtype; a read gathers it from the ps on demand and keeps nothing, an
+assignment is sent in pieces and dropped.
 """
 
 from __future__ import annotations
@@ -21,6 +26,37 @@ import jax
 import numpy as np
 
 from distribute.parameter_server.partitioners import div_split, num_partitions
+
+# Variables larger than this live on their ps only (no coordinator copy); tests lower it.
+REMOTE_BYTES = 1 << 20
+
+
+def is_remote(var: Any) -> bool:
+    """Whether ``var`` (a Keras variable of a ps strategy) is kept on its ps only (larger than REMOTE_BYTES)."""
+    shape = tuple(var.shape)
+    return bool(shape) and int(np.prod(shape, dtype=np.int64)) * np.dtype(var.dtype).itemsize > REMOTE_BYTES
+
+
+class OnPs:
+    """What the coordinator holds as the value of a remote variable: its shape and dtype, no data.
+
+    Anything that converts it (``np.asarray``) gathers the value from the ps
+    (``read()``), as a read of the variable does.
+    """
+
+    def __init__(self, shape: tuple, dtype: Any, read: Any):
+        self.shape, self.dtype, self._read = tuple(shape), np.dtype(dtype), read
+        self.ndim = len(self.shape)
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64))
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        return np.asarray(self._read(), dtype=dtype)
+
+    def __repr__(self) -> str:
+        return f"OnPs(shape={self.shape}, dtype={self.dtype})"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +74,7 @@ class Entry:
     on_ps: bool = False
     reference: Any = None  # the variable it is colocated with (an optimizer slot's model variable), or None
     stale: bool = False  # the coordinator's copy may be older than the ps's (refreshed on the next read)
+    remote: bool = False  # kept on the ps only: the coordinator holds OnPs (is_remote)
 
 
 def ps_device(task: int) -> str:
@@ -79,7 +116,8 @@ class VariableRegistry:
                 shards = (Shard(next(self._keys), self._next_ps(), None, None),)
             else:
                 shards = tuple(Shard(next(self._keys), self._next_ps(), a, b) for a, b in div_split(shape[0], count))
-        entry = Entry(var=var, shards=shards, reference=colocate_with if reference is not None else None)
+        entry = Entry(var=var, shards=shards, reference=colocate_with if reference is not None else None,
+                      remote=is_remote(var))
         self._entries[id(var)] = entry
         return entry
 
@@ -90,7 +128,8 @@ class VariableRegistry:
 
     # -- values ---------------------------------------------------------------------------
     def pending(self) -> list[Entry]:
-        return [e for e in self._entries.values() if not e.on_ps and e.var._value is not None]
+        return [e for e in self._entries.values() if not e.on_ps and e.var._value is not None
+                and not isinstance(e.var._value, OnPs)]
 
     def shard_values(self, entry: Entry, value: Any) -> dict[int, dict[int, np.ndarray]]:
         """``{ps: {key: rows}}`` of one variable's value."""

@@ -23,7 +23,8 @@ import jax.numpy as jnp
 from distribute import _context, _invocation
 from distribute.keras_support import patches, ps_hooks
 from distribute.parameter_server import transfer
-from distribute.parameter_server.registry import VariableRegistry, ps_device
+from distribute.keras_support.ps_init import describe
+from distribute.parameter_server.registry import OnPs, VariableRegistry, is_remote, ps_device
 from distribute.replica import ReplicaContext
 from distribute.extended import StrategyExtended
 from distribute.placement import Placement
@@ -57,6 +58,16 @@ class _OnParameterServer(Placement):
 
     def on_assign(self, variable: Any) -> None:
         self._extended._on_assign(variable)
+
+    def initialize_with(self, variable: Any, initializer: Any) -> bool:
+        return self._extended._initialize_on_ps(variable, initializer)
+
+    def remote(self, variable: Any) -> bool:
+        return isinstance(variable._value, OnPs)
+
+    def stored(self, variable: Any) -> Any:
+        value = variable._value
+        return jnp.asarray(value) if isinstance(value, OnPs) else value
 
 
 class ParameterServerStrategyExtended(StrategyExtended):
@@ -109,6 +120,43 @@ class ParameterServerStrategyExtended(StrategyExtended):
             from distribute.parameter_server.values import make_sharded
 
             make_sharded(var, [(s.start, s.stop) for s in entry.shards], [ps_device(s.ps) for s in entry.shards])
+        if entry.remote:
+            spec = var.__dict__.pop("_distribute_ps_init", None)
+            if spec is not None:
+                transfer.create_from(self._cluster, entry, spec)
+                entry.on_ps = True
+            elif var._value is not None:  # an initial array (the user's), or an initializer no ps can run
+                self._send_remote(entry, var._value)
+
+    def _initialize_on_ps(self, var: Any, initializer: Any) -> bool:
+        """A large variable's first value is made on its ps from ``initializer``'s description
+        (``keras_support/ps_init.py``); the coordinator keeps ``OnPs``.  False: made here, as Keras does."""
+        if not is_remote(var):
+            return False
+        spec = describe(initializer, tuple(var.shape), var.dtype)
+        if spec is None:
+            return False
+        var._value = self._on_ps(var)
+        entry = self._registry.entry(var)
+        if entry is None:  # in its constructor: created on the ps once registered (_on_variable_created)
+            var.__dict__["_distribute_ps_init"] = spec
+        else:  # a deferred variable (created while a function was traced), registered already
+            transfer.create_from(self._cluster, entry, spec)
+            entry.on_ps = True
+        return True
+
+    def _on_ps(self, var: Any) -> OnPs:
+        return OnPs(tuple(var.shape), var.dtype, lambda: self._gather(var))
+
+    def _gather(self, var: Any) -> Any:
+        """The whole value of a remote variable, read from its ps (kept by the caller only)."""
+        return transfer.gather(self._cluster, self._registry.entry(var))
+
+    def _send_remote(self, entry: Any, value: Any) -> None:
+        """Sends a remote variable's value to its ps in pieces; the coordinator keeps ``OnPs`` only."""
+        transfer.push(self._cluster, self._registry, [(entry, value)])
+        entry.on_ps, entry.stale = True, False
+        entry.var._value = self._on_ps(entry.var)
 
     def _before_read(self, var: Any) -> None:
         """A read of ``var`` on the coordinator (not while a scheduled function is traced) sees its ps's value.
@@ -123,7 +171,7 @@ class ParameterServerStrategyExtended(StrategyExtended):
         if _SCHEDULING.get() or coordinator is None or self._cluster is None or not self._cluster.alive:
             return
         entry = self._registry.entry(var)
-        if entry is None or not entry.on_ps:
+        if entry is None or not entry.on_ps or entry.remote:
             return
         if coordinator._queue.busy():
             transfer.pull(self._cluster, self._registry, [entry])
@@ -135,7 +183,12 @@ class ParameterServerStrategyExtended(StrategyExtended):
     def _on_assign(self, var: Any) -> None:
         """A coordinator-side assignment (set_weights, restore, reset_state): pushed to the ps at once."""
         entry = self._registry.entry(var)
-        if entry is None or not entry.on_ps or self._cluster is None:
+        if entry is None or self._cluster is None:
+            return
+        if entry.remote:
+            self._send_remote(entry, var._value)
+            return
+        if not entry.on_ps:
             return
         transfer.push(self._cluster, self._registry, [(entry, var._value)])
         entry.stale = False
@@ -149,11 +202,13 @@ class ParameterServerStrategyExtended(StrategyExtended):
             transfer.push(self._cluster, self._registry, [(entry, entry.var._value) for entry in pending])
             for entry in pending:
                 entry.on_ps = True
+                if entry.remote:
+                    entry.var._value = self._on_ps(entry.var)
 
     def _refresh(self) -> None:
         """After closures finished: the coordinator's copies of small variables are read from the ps; larger ones
         are marked stale (read when read on the coordinator)."""
-        entries = [e for e in self._registry.entries() if e.on_ps]
+        entries = [e for e in self._registry.entries() if e.on_ps and not e.remote]
         for entry in entries:
             entry.stale = True
         transfer.pull(self._cluster, self._registry, [e for e in entries if transfer.nbytes(e.var) <= transfer.EAGER_REFRESH_BYTES])

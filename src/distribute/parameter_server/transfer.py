@@ -9,6 +9,10 @@ per ps; a larger shard travels in row ranges of at most that size, written into
 flight.  So a table larger than any one message works, and the memory a
 transfer takes beyond the value itself is a few pieces.
 
+A remote variable (``registry.REMOTE_BYTES``) has no coordinator copy: it is
+made on its ps (``create_from``), read whole only when the coordinator reads it
+(``gather``, in pieces, kept by the caller only), and written in pieces.
+
 After ``join()`` the coordinator's copies of small variables (up to
 :data:`EAGER_REFRESH_BYTES` each) are refreshed at once; a larger one (an
 embedding table) only when the coordinator reads it (``ParameterServerStrategyExtended._before_read``).
@@ -147,3 +151,20 @@ def _pull_pieces(cluster: Any, shard: Any, out: np.ndarray, offset: int) -> None
             out[offset + a0 : offset + a0 + len(part)] = part
     for (a0, _), got in zip(pending, cluster.get_from_ps([ref for _, ref in pending])):
         out[offset + a0 : offset + a0 + len(got[0])] = got[0]
+
+
+def gather(cluster: Any, entry: Any) -> np.ndarray:
+    """A remote variable's whole value, read from its ps in pieces (the coordinator keeps no copy)."""
+    out = np.empty(tuple(entry.var.shape), np.dtype(entry.var.dtype))
+    for shard in entry.shards:
+        _pull_pieces(cluster, shard, out, shard.start or 0)
+    return out
+
+
+def create_from(cluster: Any, entry: Any, spec: Any) -> None:
+    """Makes a remote variable on its ps from its initializer's description (``initializers.make``)."""
+    from distribute.parameter_server.initializers import shard_specs
+
+    per_ps = shard_specs(spec, entry.shards, tuple(entry.var.shape), np.dtype(entry.var.dtype).name)
+    refs = {j: cluster.ps[j].create_from.remote(specs) for j, specs in per_ps.items()}
+    cluster.observe(dict(zip(refs, cluster.get_from_ps(list(refs.values())))))
