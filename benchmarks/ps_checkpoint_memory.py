@@ -1,15 +1,17 @@
-"""The coordinator's memory while it checkpoints a large partitioned table (issue 16).
+"""The coordinator's memory while it makes, trains and checkpoints a large partitioned table (issues 16, 27).
 
-A ``(rows, 32)`` float32 ``Embedding`` table in ``ParameterServerStrategy(num_ps=2,
-MinSizePartitioner(256 KiB, max_shards=2))`` (two shards, one per ps), trained a
-few steps with SGD (rows read and updated by the ps), then
+A ``(rows, dim)`` float32 ``Embedding`` table in ``ParameterServerStrategy(num_ps=2,
+MinSizePartitioner(256 KiB, max_shards=2))`` (two shards, one per ps), trained
+``--steps`` steps with SGD (rows read and updated by the ps), then
 ``distribute.Checkpoint(model=...).write()`` and ``restore()``.  A thread samples
 this process's resident memory (RSS) every 5 ms; reported per phase: the peak
-above the RSS before the phase, in MB and in table sizes.
+above the RSS before the phase, in MB and in table sizes; at the end each ps's
+RSS and the mean step time of the last half of the steps.
 
 Usage::
 
-    .venv/bin/python benchmarks/ps_checkpoint_memory.py --rows 3000000
+    .venv/bin/python benchmarks/ps_checkpoint_memory.py --rows 3000000            # 384 MB
+    .venv/bin/python benchmarks/ps_checkpoint_memory.py --rows 12000000 --dim 64  # 3 GB
 """
 
 from __future__ import annotations
@@ -49,9 +51,23 @@ class _Peak:
         return max(self.peak, _rss_mb())
 
 
+def _ps_rss(strategy) -> list:
+    """Each ps actor's RSS (MB), read from /proc by the actor itself."""
+    import ray
+
+    def rss(actor):
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) // 1024 for line in f if line.startswith("VmRSS:"))
+
+    return ray.get([ps.__ray_call__.remote(rss) for ps in strategy.extended._cluster.ps])
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rows", type=int, default=3_000_000)
+    parser.add_argument("--dim", type=int, default=32)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--dir", default=None, help="checkpoint directory (default: a temporary one)")
     args = parser.parse_args(argv)
     import keras
     import numpy as np
@@ -59,11 +75,12 @@ def main(argv=None) -> int:
     import distribute
     from distribute.coordinator import ClusterCoordinator
 
-    table_mb = args.rows * 32 * 4 / 2**20
+    table_mb = args.rows * args.dim * 4 / 2**20
     partitioner = distribute.experimental.partitioners.MinSizePartitioner(min_shard_bytes=256 << 10, max_shards=2)
     strategy = distribute.ParameterServerStrategy(num_workers=1, num_ps=2, variable_partitioner=partitioner)
     coordinator = ClusterCoordinator(strategy)
     phases = {}
+    start = _rss_mb()  # before the model exists: the issue's "above resident" baseline
 
     def phase(name, fn):
         before = _rss_mb()
@@ -73,6 +90,7 @@ def main(argv=None) -> int:
         seconds = time.perf_counter() - t0
         top = peak.stop()
         phases[name] = {"rss_before_mb": round(before), "peak_above_mb": round(top - before),
+                        "peak_above_start_mb": round(top - start),
                         "peak_above_tables": round((top - before) / table_mb, 2), "seconds": round(seconds, 2)}
         print(name, json.dumps(phases[name]), flush=True)
 
@@ -80,7 +98,7 @@ def main(argv=None) -> int:
 
     def create():
         with strategy.scope():
-            model = keras.Sequential([keras.Input((4,), dtype="int32"), keras.layers.Embedding(args.rows, 32),
+            model = keras.Sequential([keras.Input((4,), dtype="int32"), keras.layers.Embedding(args.rows, args.dim),
                                       keras.layers.Flatten(), keras.layers.Dense(1)])
             optimizer = keras.optimizers.SGD(0.1)
         state.update(model=model, optimizer=optimizer)
@@ -95,11 +113,13 @@ def main(argv=None) -> int:
             optimizer.apply_gradients(zip(grads, model.trainable_variables))
             return loss
 
-        for _ in range(5):
-            coordinator.schedule(step, args=(ids,))
+        for _ in range(args.steps):
+            t0 = time.perf_counter()
+            coordinator.schedule(step, args=(ids,)).fetch()
+            state.setdefault("step_seconds", []).append(time.perf_counter() - t0)
         coordinator.join()
 
-    directory = tempfile.mkdtemp()
+    directory = args.dir or tempfile.mkdtemp()
 
     def save():
         checkpoint = distribute.Checkpoint(model=state["model"])
@@ -109,11 +129,14 @@ def main(argv=None) -> int:
     def restore():
         distribute.Checkpoint(model=state["model"]).restore(state["path"])
 
-    phase("create the model in scope (values made here)", create)
-    phase("5 steps + join (the first sends the initial values)", train)
+    phase("create the model in scope", create)
+    phase(f"{args.steps} steps + join", train)
     phase("checkpoint write", save)
     phase("checkpoint restore", restore)
-    print(json.dumps({"rows": args.rows, "table_mb": round(table_mb), "load": os.getloadavg()[0], "phases": phases}))
+    late = state["step_seconds"][len(state["step_seconds"]) // 2:]
+    print(json.dumps({"rows": args.rows, "dim": args.dim, "table_mb": round(table_mb), "load": os.getloadavg()[0],
+                      "step_ms": round(1000 * sum(late) / len(late), 1), "ps_rss_mb": _ps_rss(strategy),
+                      "phases": phases}))
     strategy._shutdown()
     return 0
 

@@ -18,6 +18,7 @@ import pytest
 import distribute
 from distribute.coordinator import ClusterCoordinator
 from distribute.parameter_server import registry
+from distribute.parameter_server.errors import PSUnavailableError
 from distribute.parameter_server.registry import OnPs
 
 MinSizePartitioner = distribute.experimental.partitioners.MinSizePartitioner
@@ -100,3 +101,79 @@ def test_variables_are_made_on_their_ps_per_seed_and_layout(two_ps):
     given.variables[1].assign(np.full((20, 4), 3.0, np.float32))
     assert isinstance(given._value, OnPs)
     np.testing.assert_array_equal(np.concatenate(_ps_values(strategy, given)), [[0.0] * 4] * 20 + [[3.0] * 4] * 20)
+    np.testing.assert_array_equal(given.variables[1].numpy(), np.full((20, 4), 3.0))  # read from that shard's ps only
+
+
+def _table_model(seed):
+    keras.utils.set_random_seed(seed)
+    return keras.Sequential([keras.Input((2,), dtype="int32"), keras.layers.Embedding(40, 4), keras.layers.Flatten(),
+                             keras.layers.Dense(1)])
+
+
+def test_checkpoint_tables_are_written_by_their_ps_and_restore_to_3_ps_and_without_a_strategy(two_ps, ray_instance,
+                                                                                              tmp_path):
+    import ray
+
+    strategy, coordinator = two_ps
+    with strategy.scope():
+        model, optimizer = _table_model(1), keras.optimizers.Adam(0.1)
+    ids = np.asarray([[0, 21], [5, 39]], np.int32)
+
+    def step(x):
+        _, grads = distribute.compute_gradients(lambda: keras.ops.sum(model(x) ** 2), model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+
+    coordinator.schedule(step, args=(ids,))
+    coordinator.join()
+    table = model.layers[0].embeddings
+    saved = [v.numpy() for v in model.weights + optimizer.variables]
+    manager = distribute.CheckpointManager(distribute.Checkpoint(model=model, optimizer=optimizer), str(tmp_path),
+                                           max_to_keep=1)
+    first = manager.save()
+    manager.wait_until_finished()
+    assert isinstance(table._value, OnPs)  # the save read nothing whole on the coordinator
+    tables = sorted(p.name for p in tmp_path.iterdir() if ".tables-" in p.name)
+    assert len(tables) == 1 and tables[0].startswith("ckpt-1.tables-")
+    # Each ps wrote its shard of the table (and of Adam's two slots) as zarr arrays; the record lists the rows.
+    files = sorted(p.name for p in (tmp_path / tables[0]).iterdir())
+    assert {"model_0_part_0", "model_0_part_1", "optimizer_2_part_0", "optimizer_2_part_1"} <= set(files)
+
+    # Restore into 3 ps (3 shards of 14, 13, 13 rows: another layout than the saved 20 + 20) ...
+    three = distribute.ParameterServerStrategy(num_workers=1, num_ps=3,
+                                               variable_partitioner=MinSizePartitioner(min_shard_bytes=128, max_shards=3))
+    try:
+        with three.scope():
+            model3, optimizer3 = _table_model(2), keras.optimizers.Adam(0.1)
+            optimizer3.build(model3.trainable_variables)
+        assert [s.shape for s in model3.layers[0].embeddings.variables] == [(14, 4), (13, 4), (13, 4)]
+        distribute.Checkpoint(model=model3, optimizer=optimizer3).restore(first)
+        assert isinstance(model3.layers[0].embeddings._value, OnPs)
+        np.testing.assert_array_equal(np.concatenate(_ps_values(three, model3.layers[0].embeddings)), saved[0])
+        for got, want in zip([v.numpy() for v in model3.weights + optimizer3.variables], saved):
+            np.testing.assert_array_equal(got, want)
+    finally:
+        three._shutdown()
+    # ... and into a model without a strategy (it holds the whole table).
+    plain, plain_optimizer = _table_model(3), keras.optimizers.Adam(0.1)
+    plain_optimizer.build(plain.trainable_variables)
+    distribute.Checkpoint(model=plain, optimizer=plain_optimizer).restore(first)
+    for got, want in zip([v.numpy() for v in plain.weights + plain_optimizer.variables], saved):
+        np.testing.assert_array_equal(got, want)
+
+    # A Keras file of the ps model (each table gathered through the coordinator) loads without a strategy.
+    model.save(str(tmp_path / "m.keras"))
+    loaded = keras.models.load_model(str(tmp_path / "m.keras"), compile=False)
+    for got, want in zip(loaded.get_weights(), saved):
+        np.testing.assert_array_equal(got, want)
+
+    # A ps lost during a save: the save raises, nothing is committed, the previous checkpoint restores as it was.
+    table.assign(np.zeros((40, 4), np.float32))
+    ray.kill(strategy.extended._cluster.ps[1], no_restart=True)
+    with pytest.raises(PSUnavailableError):
+        manager.save()
+    assert manager.latest_checkpoint == first and manager.checkpoints == [first]
+    assert sorted(p.name for p in tmp_path.iterdir() if ".tables-" in p.name) == tables  # the partial one is gone
+    fresh, fresh_optimizer = _table_model(4), keras.optimizers.Adam(0.1)
+    fresh_optimizer.build(fresh.trainable_variables)
+    distribute.Checkpoint(model=fresh, optimizer=fresh_optimizer).restore(manager.latest_checkpoint)
+    np.testing.assert_array_equal(fresh.layers[0].embeddings.numpy(), saved[0])

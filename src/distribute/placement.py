@@ -74,6 +74,15 @@ class Placement:
         """Whether this process holds no value of the variable (a large ps variable; ``stored`` gathers it)."""
         return False
 
+    def save_parts(self, variable: Any, directory: str, name: str) -> list:
+        """A remote variable (``remote``): writes it where it lives into ``directory`` (``checkpoint/_tables.py``);
+        returns its parts ``[{"file", "start", "stop"}]``."""
+        raise NotImplementedError(f"variable '{variable.path}' is held here; a checkpoint stores its value")
+
+    def load_parts(self, variable: Any, table: Any) -> None:
+        """A remote variable: reads a saved table (``_tables.TableRef``) where it lives, shard by shard."""
+        raise NotImplementedError(f"variable '{variable.path}' is held here; restore assigns its value")
+
     def stored(self, variable: Any) -> Any:
         """The variable's stored value for a read outside any step (a parameter server gathers a variable
         the coordinator holds no copy of)."""

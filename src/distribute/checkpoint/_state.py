@@ -152,6 +152,12 @@ def assign(plan: list[tuple[Any, np.ndarray]]) -> None:
     ``assign`` there would only be recorded by the trace).
     """
     for variable, value in plan:
+        if hasattr(value, "parts"):  # a table its ps wrote (_tables.TableRef)
+            placement = variable.__dict__.get("_distribute_placement")
+            if placement is not None and placement.remote(variable):
+                placement.load_parts(variable, value)  # each ps reads its own rows
+                continue
+            value = value.read()  # a variable held here (no strategy): the whole table, its own choice
         if getattr(variable, "_value", 0) is None and getattr(variable, "_initializer", None) is not None:
             variable._initializer = functools.partial(_restored, np.asarray(value))
         else:

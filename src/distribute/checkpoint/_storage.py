@@ -4,7 +4,10 @@ One checkpoint is one orbax checkpoint directory (``dir/ckpt-3``) holding a
 PyTree ``{object name: [value of variable 0, value of variable 1, ...]}`` of
 NumPy arrays, with this project's record (variable paths, shapes, dtypes,
 ``save_counter``, extra values such as an epoch) in orbax's step metadata
-(``custom_metadata["distribute"]``).  A user's own orbax code reads it::
+(``custom_metadata["distribute"]``).  Variables this process holds no value
+of (large ParameterServerStrategy tables) are written by their ps into the
+sibling directory ``<path>.tables-<ns>`` before the orbax save begins
+(``_tables.py``); the record names it.  A user's own orbax code reads it::
 
     orbax.checkpoint.StandardCheckpointer().restore("dir/ckpt-3")
     # {'model': [array(...), ...], 'optimizer': [...]}
@@ -194,6 +197,24 @@ def _wait_before_thread_shutdown() -> None:
             pass
 
 
+def new_tables_dir(path: Any) -> Any:
+    """A new sibling directory for the tables of the checkpoint ``path`` (``_tables.py``): ``<path>.tables-<ns>``."""
+    import time
+
+    tables = path.parent / f"{path.name}.tables-{time.time_ns()}"
+    tables.mkdir(parents=True, exist_ok=False)
+    return tables
+
+
+def delete_tables(path: Any, keep: str | None = None) -> None:
+    """Deletes the tables directories of the checkpoint ``path`` (all but ``keep``, a directory name)."""
+    if not path.parent.is_dir():
+        return
+    for child in path.parent.iterdir():
+        if child.name.startswith(f"{path.name}.tables-") and child.name != keep:
+            child.rmtree(missing_ok=True)
+
+
 def is_checkpoint(path: Any) -> bool:
     """Whether ``path`` is a committed checkpoint directory written by this module."""
     return path.is_dir() and (path / "_CHECKPOINT_METADATA").exists()
@@ -232,7 +253,7 @@ def read(path: Any, num_workers: int) -> tuple[dict, dict[str, list[np.ndarray]]
                                         multiprocessing_options=options)
         record = (checkpointer.metadata(path).custom_metadata or {})[_RECORD_KEY]
         target = {
-            name: [np.empty(entry["shape"], np.dtype(entry["dtype"])) for entry in entries if not entry["empty"]]
+            name: [np.empty(entry["shape"], np.dtype(entry["dtype"])) for entry in entries if _in_tree(entry)]
             for name, entries in _by_object(record).items()
         }
         stored = checkpointer.restore(path, args=ocp.args.StandardRestore(target)) if any(target.values()) else {}
@@ -241,12 +262,21 @@ def read(path: Any, num_workers: int) -> tuple[dict, dict[str, list[np.ndarray]]
             f"{str(path)!r} is not a readable distribute checkpoint ({type(err).__name__}: {err}); "
             "restore one written by distribute.Checkpoint, e.g. an older one from CheckpointManager.checkpoints."
         ) from err
+    from distribute.checkpoint._tables import TableRef
+
+    tables = str(path.parent / record["tables"]) if record.get("tables") else None
     arrays: dict[str, list[np.ndarray]] = {}
     for name, entries in _by_object(record).items():
         values = iter(stored.get(name, []))
-        arrays[name] = [np.zeros(e["shape"], np.dtype(e["dtype"])) if e["empty"] else np.asarray(next(values))
+        arrays[name] = [TableRef(tables, e) if "table" in e else
+                        np.zeros(e["shape"], np.dtype(e["dtype"])) if e["empty"] else np.asarray(next(values))
                         for e in entries]
     return record, arrays
+
+
+def _in_tree(entry: dict) -> bool:
+    """Whether the orbax tree holds the entry's value (not an empty array, not a table the ps wrote)."""
+    return not entry["empty"] and "table" not in entry
 
 
 def _by_object(record: dict) -> dict[str, list[dict]]:

@@ -104,6 +104,7 @@ class CheckpointManager:
             return
         for _, old in numbered[: -self._max_to_keep]:
             _storage.checkpoint_path(old).rmtree(missing_ok=True)
+            _storage.delete_tables(_storage.checkpoint_path(old))
 
     @property
     def checkpoints(self) -> list[str]:

@@ -77,6 +77,32 @@ class ParameterServer(_Served):
         self._version += 1
         return self._version
 
+    def save_table(self, key: int, path: str) -> None:
+        """Writes ``key``'s value to the zarr array ``path`` (a checkpoint's table part, ``checkpoint/_tables.py``).
+
+        Taken under the lock and written outside it: the value becomes
+        copy-on-write (a row update meanwhile writes a copy), so the part is
+        the value at this call, and updates go on during the write.
+        """
+        from distribute.checkpoint._tables import write_array
+
+        with self._lock:
+            value = self._values[key]
+            self._private.discard(key)
+        write_array(path, value)
+
+    @_locked
+    def load_table(self, key: int, directory: str, parts: list, start: int, shape: tuple, dtype: str) -> int:
+        """Reads rows ``[start, start + shape[0])`` of a saved table into ``key`` (in place when the shapes agree)."""
+        from distribute.checkpoint._tables import read_rows
+
+        current = self._values.get(key)
+        if current is None or tuple(current.shape) != tuple(shape) or current.dtype != np.dtype(dtype):
+            self._replace(key, np.empty(shape, dtype))
+        read_rows(directory, parts, start, self._writable(key))
+        self._version += 1
+        return self._version
+
     @_locked
     def write_rows(self, key: int, start: int, rows: Any, shape: tuple, dtype: str) -> int:
         """Writes ``rows`` at ``start`` of ``key``'s value (created as zeros of ``shape`` if new or of another shape).

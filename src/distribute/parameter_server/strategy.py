@@ -10,6 +10,7 @@ variable placement.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import contextvars
 import logging
 import threading
@@ -19,6 +20,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from distribute import _context, _invocation
 from distribute.keras_support import patches, ps_hooks
@@ -64,6 +66,18 @@ class _OnParameterServer(Placement):
 
     def remote(self, variable: Any) -> bool:
         return isinstance(variable._value, OnPs)
+
+    def save_parts(self, variable: Any, directory: str, name: str) -> list:
+        return self._extended._save_parts(variable, directory, name)
+
+    def load_parts(self, variable: Any, table: Any) -> None:
+        self._extended._load_parts(variable, table)
+
+    def read_shard(self, variable: Any, index: int) -> Any:
+        return self._extended._read_shard(variable, index)
+
+    def assign_shard(self, variable: Any, index: int, rows: Any) -> None:
+        self._extended._assign_shard(variable, index, rows)
 
     def stored(self, variable: Any) -> Any:
         value = variable._value
@@ -152,6 +166,41 @@ class ParameterServerStrategyExtended(StrategyExtended):
         """The whole value of a remote variable, read from its ps (kept by the caller only)."""
         return transfer.gather(self._cluster, self._registry.entry(var))
 
+    def _save_parts(self, var: Any, directory: str, name: str) -> list:
+        """Each ps writes its shards of ``var`` into ``directory`` (a checkpoint's tables); returns the parts."""
+        entry = self._registry.entry(var)
+        rows = int(tuple(var.shape)[0])
+        parts = [{"file": f"{name}_part_{i}", "start": s.start or 0, "stop": rows if s.stop is None else s.stop}
+                 for i, s in enumerate(entry.shards)]
+        self._cluster.get_from_ps([self._cluster.ps[s.ps].save_table.remote(s.key, f"{directory}/{part['file']}")
+                                   for s, part in zip(entry.shards, parts)])
+        return parts
+
+    def _load_parts(self, var: Any, table: Any) -> None:
+        """Each ps reads its shards of ``var`` from a saved table (any saved layout)."""
+        entry = self._registry.entry(var)
+        shape = tuple(var.shape)
+        refs = []
+        for s in entry.shards:
+            start, stop = (0, shape[0]) if s.start is None else (s.start, s.stop)
+            refs.append((s.ps, self._cluster.ps[s.ps].load_table.remote(
+                s.key, table.directory, table.parts, start, (stop - start, *shape[1:]), np.dtype(var.dtype).name)))
+        versions: dict = {}
+        for (j, _), version in zip(refs, self._cluster.get_from_ps([r for _, r in refs])):
+            versions[j] = max(versions.get(j, 0), version)
+        self._cluster.observe(versions)
+        entry.on_ps, entry.stale = True, False
+
+    def _read_shard(self, var: Any, index: int) -> np.ndarray:
+        """Shard ``index`` of a remote variable, read from its ps alone."""
+        shard = self._registry.entry(var).shards[index]
+        return transfer.gather(self._cluster, _OneShard(var, shard))
+
+    def _assign_shard(self, var: Any, index: int, rows: Any) -> None:
+        """Writes shard ``index`` of a remote variable on its ps alone, in pieces."""
+        shard = self._registry.entry(var).shards[index]
+        transfer.push(self._cluster, self._registry, [(_OneShard(var, shard), rows)])
+
     def _send_remote(self, entry: Any, value: Any) -> None:
         """Sends a remote variable's value to its ps in pieces; the coordinator keeps ``OnPs`` only."""
         transfer.push(self._cluster, self._registry, [(entry, value)])
@@ -238,6 +287,15 @@ class ParameterServerStrategyExtended(StrategyExtended):
             yield
         finally:
             _SCHEDULING.reset(token)
+
+
+class _OneShard:
+    """One shard of a remote variable as ``transfer`` takes an entry: the shard's rows as a whole variable."""
+
+    def __init__(self, var: Any, shard: Any):
+        rows = int(tuple(var.shape)[0]) if shard.start is None else shard.stop - shard.start
+        self.var = jax.ShapeDtypeStruct((rows, *tuple(var.shape)[1:]), var.dtype)
+        self.shards = (dataclasses.replace(shard, start=None, stop=None),)
 
 
 class ParameterServerStrategy(CoordinatedStrategy):

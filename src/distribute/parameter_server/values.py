@@ -155,7 +155,12 @@ class ShardView:
 
     def __init__(self, full: Any, index: int, start: int, stop: int, device: str):
         self._full, self.start, self.stop, self.device = full, start, stop, device
-        self.name = f"{full.name}/part_{index}"
+        self.name, self._index = f"{full.name}/part_{index}", index
+
+    def _remote(self) -> Any:
+        """The full variable's placement when the coordinator holds none of it (a large ps table), else None."""
+        placement = self._full.__dict__.get("_distribute_placement")
+        return placement if placement is not None and placement.remote(self._full) else None
 
     @property
     def shape(self) -> tuple:
@@ -167,6 +172,9 @@ class ShardView:
 
     @property
     def value(self) -> Any:
+        placement = self._remote()
+        if placement is not None:  # this shard only, read from its ps
+            return placement.read_shard(self._full, self._index)
         return self._full.value[self.start : self.stop]
 
     def numpy(self) -> np.ndarray:
@@ -179,6 +187,10 @@ class ShardView:
         rows = np.asarray(value, dtype=np.dtype(self.dtype))
         if rows.shape != self.shape:
             raise ValueError(f"{self.name}: assign of shape {rows.shape}; this shard has shape {self.shape}.")
+        placement = self._remote()
+        if placement is not None:  # sent to this shard's ps only, in pieces
+            placement.assign_shard(self._full, self._index, rows)
+            return self
         full = np.array(self._full.numpy(), copy=True)
         full[self.start : self.stop] = rows
         self._full.assign(full)
