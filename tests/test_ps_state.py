@@ -17,7 +17,7 @@ import pytest
 
 import distribute
 from distribute.coordinator import ClusterCoordinator
-from distribute.parameter_server import registry
+from distribute.parameter_server import registry, transfer
 from distribute.parameter_server.errors import PSUnavailableError
 from distribute.parameter_server.registry import OnPs
 
@@ -111,7 +111,7 @@ def _table_model(seed):
 
 
 def test_checkpoint_tables_are_written_by_their_ps_and_restore_to_3_ps_and_without_a_strategy(two_ps, ray_instance,
-                                                                                              tmp_path):
+                                                                                              tmp_path, monkeypatch):
     import ray
 
     strategy, coordinator = two_ps
@@ -160,8 +160,13 @@ def test_checkpoint_tables_are_written_by_their_ps_and_restore_to_3_ps_and_witho
     for got, want in zip([v.numpy() for v in plain.weights + plain_optimizer.variables], saved):
         np.testing.assert_array_equal(got, want)
 
-    # A Keras file of the ps model (each table gathered through the coordinator) loads without a strategy.
+    # A Keras file of the ps model: each table is written in row pieces from its ps, never gathered whole.
+    def whole_read(*args):
+        raise AssertionError("model.save gathered a whole table on the coordinator")
+
+    monkeypatch.setattr(transfer, "gather", whole_read)
     model.save(str(tmp_path / "m.keras"))
+    monkeypatch.undo()
     loaded = keras.models.load_model(str(tmp_path / "m.keras"), compile=False)
     for got, want in zip(loaded.get_weights(), saved):
         np.testing.assert_array_equal(got, want)

@@ -52,9 +52,10 @@ from keras.src.trainers.trainer import Trainer  # noqa: E402
 from keras.src.utils import rng_utils  # noqa: E402
 from keras.src.initializers.random_initializers import compute_fans  # noqa: E402
 from keras.src.random.seed_generator import draw_seed  # noqa: E402
+from keras.src.saving.saving_lib import H5IOStore  # noqa: E402
 
 __all__ = [
-    "BaseOptimizer", "BatchNormalization", "DataAdapter", "JAXTrainer", "JaxVariable", "KerasVariable", "Layer",
+    "BaseOptimizer", "BatchNormalization", "DataAdapter", "H5IOStore", "JAXTrainer", "JaxVariable", "KerasVariable", "Layer",
     "LossScaleOptimizer", "Metric", "compute_fans", "draw_seed", "Patch", "SeedGenerator", "StatelessScope", "Trainer", "copy_thread_state", "data_adapter_utils",
     "data_adapters", "get_stateless_scope", "global_state", "initialize_all_variables", "install", "installed",
     "keras_backend", "loss_module", "per_thread", "placeholder_value", "rng_utils", "tree",

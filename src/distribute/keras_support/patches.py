@@ -194,6 +194,8 @@ PARAMETER_SERVER: tuple[Patch, ...] = (
           "fit of a model built in a ps strategy's scope goes to the coordinator's fit"),
     Patch(JAXTrainer, "evaluate", ps_hooks.route_under_ps_of("evaluate"), _EVALUATE, "the same, for evaluate"),
     Patch(JAXTrainer, "predict", ps_hooks.route_under_ps_of("predict"), _PREDICT, "the same, for predict"),
+    Patch(ps_hooks.H5IOStore, "__setitem__", ps_hooks.h5_setitem, "(self, key, value)",
+          "model.save / save_weights write a table held by its ps in row pieces, never whole on the coordinator"),
 )
 
 TABLE: tuple[Patch, ...] = CORE + MULTI_WORKER + PARAMETER_SERVER

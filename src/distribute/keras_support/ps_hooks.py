@@ -20,6 +20,9 @@ of the ``CORE`` ones (each changes nothing outside a ParameterServerStrategy):
   whose update the ps cannot express raises :func:`check_optimizer`'s error;
 * an assignment on the coordinator (``set_weights``, a checkpoint restore,
   ``metric.reset_state()``) is pushed to the ps (the placement's ``on_assign``);
+* Keras' ``.keras`` / ``.weights.h5`` writer stores a table the coordinator
+  does not hold (``Placement.remote``) piece by piece from its ps
+  (:func:`h5_setitem`), never whole;
 * ``Model.fit`` / ``evaluate`` / ``predict`` of a model built in a ps strategy's
   scope go to ``extended.keras_fit`` / ``keras_evaluate`` / ``keras_predict``
   (``parameter_server/keras_fit.py``, ``keras_eval.py``).
@@ -36,14 +39,14 @@ from typing import Any
 import jax.numpy as jnp
 
 from distribute import _context
-from distribute._keras import BaseOptimizer, JAXTrainer, KerasVariable, get_stateless_scope, initialize_all_variables, keras_backend
+from distribute._keras import BaseOptimizer, H5IOStore, JAXTrainer, KerasVariable, get_stateless_scope, initialize_all_variables, keras_backend
 from distribute.lifting import LiftingScope
 from distribute.strategy import CoordinatedStrategy
 
 _LOCAL_UPDATES: contextvars.ContextVar[bool] = contextvars.ContextVar("distribute_ps_local_updates", default=False)
 
 __all__ = [
-    "KerasVariable", "PSApplyScope", "PSTraceScope", "check_optimizer", "initialize_all_variables",
+    "H5IOStore", "KerasVariable", "PSApplyScope", "PSTraceScope", "check_optimizer", "initialize_all_variables",
     "local_updates", "without_clipping",
 ]
 
@@ -361,3 +364,20 @@ def cached(model: Any, name: str, make: Any) -> Any:
 def metrics_in_order(model: Any, logs: dict) -> Any:
     """``evaluate``'s list result: Keras' ``_flatten_metrics_in_order`` (a scalar when only the loss)."""
     return model._flatten_metrics_in_order(logs)
+
+
+def h5_setitem(original):
+    """``H5IOStore.__setitem__``: a remote variable (a large ps table) is written in row pieces read from its ps."""
+
+    def __setitem__(self, key, value):
+        placement = value.__dict__.get("_distribute_placement") if isinstance(value, KerasVariable) else None
+        if placement is None or not placement.remote(value) or value.dtype == "bfloat16" or self.mode not in ("w", "a"):
+            return original(self, key, value)
+        if not self._h5_entry_initialized:
+            self._create_h5_group(self._h5_entry_path)
+        dataset = self._h5_entry_group.create_dataset(key, shape=tuple(value.shape), dtype=value.dtype)
+        for start, rows in placement.row_pieces(value):
+            dataset[start : start + len(rows)] = rows
+        return None
+
+    return __setitem__

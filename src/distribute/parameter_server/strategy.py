@@ -73,6 +73,9 @@ class _OnParameterServer(Placement):
     def load_parts(self, variable: Any, table: Any) -> None:
         self._extended._load_parts(variable, table)
 
+    def row_pieces(self, variable: Any) -> Any:
+        return transfer.row_pieces(self._extended._cluster, self._extended._registry.entry(variable))
+
     def read_shard(self, variable: Any, index: int) -> Any:
         return self._extended._read_shard(variable, index)
 
@@ -172,8 +175,15 @@ class ParameterServerStrategyExtended(StrategyExtended):
         rows = int(tuple(var.shape)[0])
         parts = [{"file": f"{name}_part_{i}", "start": s.start or 0, "stop": rows if s.stop is None else s.stop}
                  for i, s in enumerate(entry.shards)]
-        self._cluster.get_from_ps([self._cluster.ps[s.ps].save_table.remote(s.key, f"{directory}/{part['file']}")
-                                   for s, part in zip(entry.shards, parts)])
+        refs = [self._cluster.ps[s.ps].save_table.remote(s.key, f"{directory}/{part['file']}")
+                for s, part in zip(entry.shards, parts)]
+        try:
+            self._cluster.get_from_ps(refs)
+        except BaseException:
+            import ray
+
+            ray.wait(refs, num_returns=len(refs), timeout=600)  # the live ps finish before the caller deletes the parts
+            raise
         return parts
 
     def _load_parts(self, var: Any, table: Any) -> None:

@@ -168,3 +168,13 @@ def create_from(cluster: Any, entry: Any, spec: Any) -> None:
     per_ps = shard_specs(spec, entry.shards, tuple(entry.var.shape), np.dtype(entry.var.dtype).name)
     refs = {j: cluster.ps[j].create_from.remote(specs) for j, specs in per_ps.items()}
     cluster.observe(dict(zip(refs, cluster.get_from_ps(list(refs.values())))))
+
+
+def row_pieces(cluster: Any, entry: Any) -> Any:
+    """Yields ``(first row, rows)`` of a remote variable, piece by piece from its ps (at most one piece held)."""
+    shape = tuple(entry.var.shape)
+    row_bytes = nbytes(entry.var) // max(shape[0], 1)
+    for shard in entry.shards:
+        offset, length = (0, shape[0]) if shard.start is None else (shard.start, shard.stop - shard.start)
+        for a, b in _pieces(length, row_bytes):
+            yield offset + a, cluster.get_from_ps([cluster.ps[shard.ps].peek.remote((shard.key,), a, b)])[0][0]
