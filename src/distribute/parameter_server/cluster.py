@@ -24,6 +24,7 @@ import itertools
 import threading
 from typing import Any
 
+from distribute.parameter_server.actor_common import start_warm_up
 from distribute.parameter_server.actors import ParameterServer, Worker
 from distribute.parameter_server.errors import PSUnavailableError, ps_lost
 
@@ -128,6 +129,8 @@ class Cluster:
             )
             for i in range(num_workers)
         ]
+        for handle in self.ps:  # JAX loads there while the coordinator builds (workers load it themselves)
+            handle.__ray_call__.remote(start_warm_up)
         self._ps_ids = {h._actor_id.hex(): j for j, h in enumerate(self.ps)}
         self.alive = True
         self.alive_workers = set(range(num_workers))

@@ -285,9 +285,11 @@ def start_local_head(timeout_seconds: float = 180.0) -> str:
     _ensure_token(env)
     (port,) = free_ports(1, host="127.0.0.1")
     with _one_start_at_a_time(port):
+        # No autoscaler monitor nor log monitor (a fixed cluster; log_to_driver=False): two Python processes fewer
+        # starting beside the head (benchmarks/ps_startup.py).
         head = _RayStart(["start", "--head", "--block", f"--port={port}", "--node-ip-address=127.0.0.1",
-                          "--include-dashboard=false", "--disable-usage-stats",
-                          f"--system-config={json.dumps(SYSTEM_CONFIG)}"], env)
+                          "--include-dashboard=false", "--disable-usage-stats", "--no-monitor",
+                          "--include-log-monitor=false", f"--system-config={json.dumps(SYSTEM_CONFIG)}"], env)
         atexit.register(_stop_head, head.proc, port)
         if not head.wait_started(timeout_seconds):
             _stop(head.proc)

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from distribute.parameter_server import worker_rows
-from distribute.parameter_server.actor_common import LOST, _load, _locked, _rows, _Served
+from distribute.parameter_server.actor_common import LOST, _load, load_jax, _locked, _rows, _Served
 from distribute.parameter_server.channel import Connection, RemoteError
 from distribute.parameter_server.dataset import ElementSpecChanged, element_specs
 from distribute.parameter_server.errors import OutOfRangeError, UnavailableError, ps_lost
@@ -472,6 +472,4 @@ def _warm_up() -> None:
     import distribute.data._kind as kind
 
     kind.without_keras_adapter()
-    import jax
-
-    jax.devices()
+    load_jax()
