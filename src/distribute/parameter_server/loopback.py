@@ -95,22 +95,19 @@ def node_cli() -> list[str]:
 
 
 def ray_pids() -> set[int]:
-    """The processes of the Ray cluster this process is connected to (on this machine), this process included.
-
-    Every process whose command line names the cluster's session directory (its
-    GCS, raylets, ``ray start`` nodes, monitors), their descendants (agents,
-    workers, actors), and this process's own descendants (a Ray it started).
-    """
+    """The processes of the Ray cluster this process is connected to (on this machine): this driver, every process
+    whose command line names the cluster's session directory (its GCS, raylets, dashboard, monitors, client
+    server) and their descendants (agents, workers, actors)."""
     import psutil
     import ray
 
     sessions = {os.path.dirname(os.path.dirname(node["ObjectStoreSocketName"])) for node in ray.nodes()}
-    roots = [psutil.Process()]
+    roots = []
     for process in psutil.process_iter(["cmdline"]):
         line = " ".join(process.info["cmdline"] or ())
         if any(session in line for session in sessions):
             roots.append(process)
-    pids = set()
+    pids = {os.getpid()}
     for root in roots:
         try:
             pids.update([root.pid, *(child.pid for child in root.children(recursive=True))])
