@@ -129,10 +129,9 @@ def main(argv=None) -> int:
     parser.add_argument("--transports", default="channel,ray_calls,compiled_graph")
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args(argv)
-    import ray
+    from distribute.parameter_server import loopback
 
-    ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False, log_to_driver=False,
-             configure_logging=False)  # loopback only
+    ray = loopback.init_local()  # every Ray listener on 127.0.0.1
     load = os.getloadavg()[0]
     results = []
     for repeat in range(args.repeats):

@@ -17,9 +17,10 @@ def ray_instance():
     """One local Ray instance for every ParameterServerStrategy test (start-up costs seconds); shut down at the end."""
     import ray
 
+    from distribute.parameter_server import loopback
+
     if not ray.is_initialized():
-        ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False, log_to_driver=False,
-                 configure_logging=False)  # loopback only, as the embedded head (nodes.start_local_head)
+        loopback.init_local()  # every listener on 127.0.0.1, as the embedded head (tests/test_ps_loopback.py)
     yield ray
     ray.shutdown()
 

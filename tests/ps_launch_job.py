@@ -72,4 +72,9 @@ kernel, bias = model.get_weights()
 result.update(first_loss=float(losses[0].fetch()), last_loss=float(losses[-1].fetch()),
               kernel=kernel.ravel().tolist(), bias=bias.tolist(), iterations=int(optimizer.iterations.numpy()),
               devices=sorted({w.device for w in model.weights}), pid=os.getpid())
+# Every Ray process of the cluster (head, ps and worker nodes, their agents and actors) listens on loopback only.
+from distribute.parameter_server import loopback  # noqa: E402
+
+listening = loopback.listeners(loopback.ray_pids())
+result.update(listening=sorted({name for _, name, _, _ in listening}), off_loopback=loopback.non_loopback(listening))
 print("RESULT " + json.dumps(result), flush=True)

@@ -64,6 +64,9 @@ def test_launcher_trains_with_two_workers_and_one_ps():
     np.testing.assert_allclose(result["bias"], [0.7], atol=0.02)
     for task in ("worker 0", "worker 1", "ps 0"):
         assert f"[{task}] distribute.Server: {task} joined the Ray head" in output
+    # Every Ray node joined on loopback, and listens there only (loopback.py; ps and worker nodes included).
+    assert {"gcs_server", "raylet", "ray::ParameterServer", "ray::Worker"} <= set(result["listening"]), result["listening"]
+    assert result["off_loopback"] == []
 
 
 def test_server_and_head_refuse_bad_setups_with_the_fix(monkeypatch):

@@ -98,7 +98,7 @@ class Dataset(_sources.SourcesMixin, _more.MoreMixin):
         ``seeds``: the SeedStreams of the unseeded random ops upstream (workers
         agree on them, see ``_random_seeds``).
         """
-        if not _KERAS_ADAPTER:
+        if not _KERAS_ADAPTER and _kind.keras_adapter_wanted():
             _install_keras_adapter()
         dataset = cls.__new__(cls)
         dataset._node = node

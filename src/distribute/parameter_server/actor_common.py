@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import numpy as np
@@ -30,6 +31,22 @@ def _load(cache: dict, program_id: int, box: list | None) -> Any:
         program = jax.jit(jax.export.deserialize(bytearray(ray.get(box[0]))).call)
         cache[program_id] = program
     return program
+
+
+def start_warm_up(actor: Any = None) -> None:
+    """Starts loading JAX's CPU backend in a thread of this actor's process (its first program needs it).
+
+    Called as ``handle.__ray_call__.remote(start_warm_up)`` right after the actor
+    is created: JAX loads (seconds on a loaded machine) while the coordinator
+    builds the model, not in the first step (issue 27).
+    """
+    threading.Thread(target=load_jax, name="distribute-warm-up", daemon=True).start()
+
+
+def load_jax() -> None:
+    import jax
+
+    jax.devices()
 
 
 def _rows(parts: list) -> Any:

@@ -1,8 +1,9 @@
 """The Ray side of a ParameterServerStrategy: connecting, creating and naming the actors, classifying failures.
 
 * Embedded default: no ``address`` and no ``RAY_ADDRESS``: a local Ray instance
-  the strategy starts itself (``ray.init(address="local")``) and shuts down at
-  exit; an already initialized Ray is reused (and left running).
+  the strategy starts itself (``nodes.start_local_head``: every listener on
+  127.0.0.1, ``loopback.py``) and shuts down at exit; an already initialized Ray
+  is reused (and left running).
 * ``address=`` (or ``RAY_ADDRESS``): joins that Ray cluster.
 * a TF_CONFIG (resolver) whose task is the ``chief``: the Ray head at the chief's
   ``host:port`` (``nodes.py``), joined by one Ray node per ps and worker task.
@@ -23,6 +24,7 @@ import itertools
 import threading
 from typing import Any
 
+from distribute.parameter_server.actor_common import start_warm_up
 from distribute.parameter_server.actors import ParameterServer, Worker
 from distribute.parameter_server.errors import PSUnavailableError, ps_lost
 
@@ -55,6 +57,10 @@ def connect(address: str | None) -> None:
             _STARTED_RAY.append(True)
             atexit.register(_shutdown_ray)
         else:
+            from distribute.parameter_server import loopback
+
+            if loopback.is_loopback(address.removeprefix("ray://").rpartition(":")[0]):
+                loopback.keep_on_loopback()  # else Ray dials 127.0.0.1 at the machine's other address (loopback.py)
             ray.init(address=address, log_to_driver=False, configure_logging=False)
 
 
@@ -117,19 +123,39 @@ class Cluster:
             ps_cls.options(name=f"ps-{j}", namespace=self.namespace, **_pin(resources, f"distribute_ps_{j}")).remote(j)
             for j in range(num_ps)
         ]
-        self.workers = [
+        self._workers = [
             worker_cls.options(name=f"worker-{i}", namespace=self.namespace, **_pin(resources, f"distribute_worker_{i}")).remote(
                 i, [self.ps_name(j) for j in range(num_ps)], self.namespace
             )
             for i in range(num_workers)
         ]
+        for handle in self.ps:  # JAX loads there while the coordinator builds (workers load it themselves)
+            handle.__ray_call__.remote(start_warm_up)
         self._ps_ids = {h._actor_id.hex(): j for j, h in enumerate(self.ps)}
         self.alive = True
         self.alive_workers = set(range(num_workers))
         self.recoveries = 0
         self._versions = [0] * num_ps  # per ps: the newest version the coordinator observed
         self._versions_lock = threading.Lock()
-        ray.get([h.ping.remote() for h in self.ps + self.workers], timeout=300)
+        # The ps are waited for here; the workers (loading JAX, seconds) on first use, while the coordinator builds.
+        self._starting, self._starting_lock = [h.ping.remote() for h in self._workers], threading.Lock()
+        ray.get([h.ping.remote() for h in self.ps], timeout=300)
+
+    @property
+    def workers(self) -> list:
+        """The worker actors; the first access waits (up to 300 s) until every one has started.
+
+        Raises:
+            ray.exceptions.RayActorError: a worker failed to start (its constructor's error).
+        """
+        if self._starting:
+            import ray
+
+            with self._starting_lock:
+                if self._starting:
+                    ray.get(self._starting, timeout=300)
+                    self._starting = []
+        return self._workers
 
     def observe(self, versions: dict) -> None:
         """Records ps versions (ps index -> version) a finished closure or a coordinator write reported."""
@@ -194,7 +220,7 @@ class Cluster:
         self.alive = False
         if not ray.is_initialized():
             return
-        for handle in self.workers + self.ps:
+        for handle in self._workers + self.ps:
             try:
                 ray.kill(handle, no_restart=True)
             except Exception:  # noqa: BLE001 - already gone

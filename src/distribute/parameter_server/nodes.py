@@ -50,6 +50,7 @@ from typing import Any
 
 from distribute.cluster import _env
 from distribute.cluster.ports import free_ports
+from distribute.parameter_server import loopback
 
 # Ray passes an object of up to this size inside the RPC message (by default 100 KiB;
 # larger ones go through the object store: an extra put/get, ~1 ms for 200 KB).  A
@@ -122,8 +123,9 @@ def _spawned(command: list[str]) -> list[str]:
     return [sys.executable, "-c", _TRAMPOLINE, str(os.getpid()), *command]
 
 
-def _ray_environment(who: str) -> dict[str, str]:
-    """The environment of this cluster's Ray processes; the authentication mode must be chosen.
+def _ray_environment(who: str, host: str) -> dict[str, str]:
+    """The environment of this cluster's Ray processes (on ``host``: loopback keeps them there); the authentication
+    mode must be chosen.
 
     Raises:
         ValueError: ``RAY_AUTH_MODE`` is unset (``ray start --head`` would turn
@@ -141,6 +143,9 @@ def _ray_environment(who: str) -> dict[str, str]:
     env.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     # No Ray Serve here: a node told to stop stops at once (Ray >= 2.5x drains up to 30 s first).
     env.setdefault("RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S", "0")
+    if loopback.is_loopback(host):
+        loopback.keep_on_loopback()  # this process's ray.init too
+        env.update(loopback.ENVIRONMENT)
     return env
 
 
@@ -165,9 +170,9 @@ def _port_options(head: bool) -> list[str]:
 class _RayStart:
     """One ``ray start --block`` child: its output is echoed; ``started`` is set once Ray says it runs."""
 
-    def __init__(self, args: list[str], env: Mapping[str, str]):
+    def __init__(self, args: list[str], env: Mapping[str, str], cli: list[str] | None = None):
         args = [*args, *_port_options("--head" in args)]
-        self.proc = subprocess.Popen(_spawned([*_ray_cli(), *args]), env=dict(env), stdin=subprocess.DEVNULL,
+        self.proc = subprocess.Popen(_spawned([*(cli or _ray_cli()), *args]), env=dict(env), stdin=subprocess.DEVNULL,
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         self.started = threading.Event()
         self.last_lines: collections.deque[str] = collections.deque(maxlen=20)  # for error messages
@@ -241,7 +246,7 @@ def start_or_join_head(chief_address: str, timeout_seconds: float = 120.0) -> st
             exit status is named).
     """
     host, port = _split_address(chief_address)
-    env = _ray_environment("ParameterServerStrategy (TF_CONFIG chief)")
+    env = _ray_environment("ParameterServerStrategy (TF_CONFIG chief)", host)
     if _listening(host, port):
         return chief_address
     _ensure_token(env)
@@ -276,13 +281,15 @@ def start_local_head(timeout_seconds: float = 180.0) -> str:
     """
     if _env.read("RAY_AUTH_MODE") is None:
         _choose_token_auth()
-    env = _ray_environment("ParameterServerStrategy")
+    env = _ray_environment("ParameterServerStrategy", loopback.LOOPBACK)
     _ensure_token(env)
     (port,) = free_ports(1, host="127.0.0.1")
     with _one_start_at_a_time(port):
+        # No autoscaler monitor nor log monitor (a fixed cluster; log_to_driver=False): two Python processes fewer
+        # starting beside the head (benchmarks/ps_startup.py).
         head = _RayStart(["start", "--head", "--block", f"--port={port}", "--node-ip-address=127.0.0.1",
-                          "--include-dashboard=false", "--disable-usage-stats",
-                          f"--system-config={json.dumps(SYSTEM_CONFIG)}"], env)
+                          "--include-dashboard=false", "--disable-usage-stats", "--no-monitor",
+                          "--include-log-monitor=false", f"--system-config={json.dumps(SYSTEM_CONFIG)}"], env)
         atexit.register(_stop_head, head.proc, port)
         if not head.wait_started(timeout_seconds):
             _stop(head.proc)
@@ -423,14 +430,14 @@ class Server:
 
     def _spawn_node(self) -> None:
         host, port = _split_address(self.head_address)
-        env = _ray_environment(f"distribute.Server ({self.job_name} {self.task_index})")
+        env = _ray_environment(f"distribute.Server ({self.job_name} {self.task_index})", host)
         resource = node_resource(self.job_name, self.task_index)
         args = ["start", "--block", f"--address={self.head_address}", f"--node-ip-address={host}", "--num-cpus=0",
                 "--disable-usage-stats", f"--resources={json.dumps({resource: 1})}"]
         with _one_start_at_a_time(port):
             node = None
             for attempt in range(1 + _START_RETRIES):
-                node = _RayStart(args, env)
+                node = _RayStart(args, env, loopback.node_cli() if loopback.is_loopback(host) else None)
                 if node.wait_started(_START_SECONDS):
                     self._node = node.proc
                     return

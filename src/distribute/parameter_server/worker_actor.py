@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from distribute.parameter_server import worker_rows
-from distribute.parameter_server.actor_common import LOST, _load, _locked, _rows, _Served
+from distribute.parameter_server.actor_common import LOST, _load, load_jax, _locked, _rows, _Served
 from distribute.parameter_server.channel import Connection, RemoteError
 from distribute.parameter_server.dataset import ElementSpecChanged, element_specs
 from distribute.parameter_server.errors import OutOfRangeError, UnavailableError, ps_lost
@@ -117,6 +117,9 @@ class Worker(_Served):
         self._adopted = not _reconstructed()
         self._lock = threading.Lock()  # runs (channel) and Ray methods, one at a time
         self._server: Any = None
+        # The input library loads while the coordinator builds its model; a dataset_fn runs after it (_warm_up).
+        self._warm = threading.Thread(target=_warm_up, name="distribute-warm-up", daemon=True)
+        self._warm.start()
 
     def ping(self) -> int:
         return self._index
@@ -150,6 +153,7 @@ class Worker(_Served):
         """
         import jax
 
+        self._warm.join()
         with worker_index_scope(self._index):
             dataset = dataset_fn()
         iterator = iter(dataset)
@@ -459,3 +463,13 @@ def _reconstructed() -> bool:
         return bool(ray.get_runtime_context().was_current_actor_reconstructed)
     except Exception:  # noqa: BLE001 - not in a Ray actor
         return False
+
+
+def _warm_up() -> None:
+    """Loads what a worker's first dataset and step need (``distribute.data``: grain, orbax; JAX's CPU backend), and
+    lets its datasets skip the Keras adapter (a worker never gives a Dataset to Keras ``fit``; loading Keras took
+    seconds of the first epoch, issue 27)."""
+    import distribute.data._kind as kind
+
+    kind.without_keras_adapter()
+    load_jax()
