@@ -71,9 +71,22 @@ def end_on_sigterm(signum: int, frame: Any) -> None:
     threading.Thread(target=end, name="distribute-sigterm", daemon=True).start()
 
 
+# Run before a worker stops for a lost peer (status 75): an elastic launch's hand-off of the committed state.
+BEFORE_LOST_EXIT: list = []
+
+
 def stop_now(message: str, code: int) -> None:
-    """Logs ``message`` and ends this process at once (a blocked collective cannot be interrupted)."""
+    """Logs ``message`` and ends this process at once (a blocked collective cannot be interrupted).
+
+    With ``code`` 75 (a peer was lost) the ``BEFORE_LOST_EXIT`` hooks run first.
+    """
     logger.error(message)
+    if code == EXIT_WORKER_LOST:
+        for hook in BEFORE_LOST_EXIT:
+            try:
+                hook()
+            except Exception as err:  # noqa: BLE001 - the process ends anyway
+                logger.error("before stopping: %r failed: %s", hook, err)
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()

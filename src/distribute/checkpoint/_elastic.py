@@ -1,0 +1,95 @@
+"""Training state kept in memory for an elastic launch (``--num-workers MIN:MAX``): commit and restore.
+
+``commit`` copies every variable's value to host memory after a completed step
+(``runtime/elastic.py`` keeps it and hands it to the launcher when this worker
+stops for a lost peer or a regroup); ``restore`` puts the state the launcher
+holds back into the variables of the next generation, of any size (values are
+placed with the variables' current placement, as a checkpoint restore).
+
+Under MultiWorkerMirroredStrategy every worker holds the whole replicated
+state, so one survivor's commit is the full state.  A variable split over the
+replicas of several workers (sharded state) is gathered at each commit
+(``host_value``: a collective every worker makes at the same step), so the
+commit is again the full state; that gather costs a collective per step.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import numpy as np
+
+import distribute.checkpoint._state as _state
+import distribute.runtime.elastic as _runtime
+
+logger = logging.getLogger("distribute")
+
+
+def enabled() -> bool:
+    """Whether this worker runs under an elastic launch."""
+    return _runtime.agent_address() is not None
+
+
+def commit(objects: dict[str, Any], meta: dict, extra_arrays: tuple[np.ndarray, ...] = ()) -> None:
+    """Keeps host copies of every variable of ``objects`` (name -> Keras object) with ``meta`` (an int ``step``)."""
+    names, arrays = {}, []
+    for name, obj in objects.items():
+        variables = _state.variables_of(name, obj)
+        names[name] = [v.path for v in variables]
+        arrays += [_state.host_value(v) for v in variables]
+    _runtime.commit(dict(meta, objects=names), arrays + list(extra_arrays))
+
+
+def restore(objects: dict[str, Any]) -> tuple[dict, list[np.ndarray]] | None:
+    """Assigns the agent's state to ``objects``' variables; returns ``(meta, extra arrays)``, or None when it holds none.
+
+    An optimizer not built yet is built first with the models' trainable
+    variables (its slots exist once it has applied a step), as a checkpoint restore.
+
+    Raises:
+        ValueError: the held state has other objects or variables (a different model), naming the first that differs.
+    """
+    begin = time.monotonic()
+    state = _runtime.fetch()
+    if state is None:
+        return None
+    meta, arrays = state
+    held = meta["objects"]
+    if sorted(held) != sorted(objects):
+        raise ValueError(f"the elastic agent holds the state of {sorted(held)} but this worker restores {sorted(objects)}; "
+                         "every generation must build the same objects.")
+    _build_optimizers(objects, held)
+    plan, position = [], 0
+    for name, obj in objects.items():
+        paths = held[name]
+        plan += _state.match(f"the elastic agent's state (step {meta['step']})", name, _state.variables_of(name, obj),
+                             [{"path": p} for p in paths], arrays[position:position + len(paths)])
+        position += len(paths)
+    _state.assign([(v, np.array(a)) for v, a in plan])
+    logger.warning("elastic: generation %d restored step %s from the agent's memory (%.3f s)", _runtime.generation(),
+                   meta["step"], time.monotonic() - begin)
+    return meta, arrays[position:]
+
+
+def _build_optimizers(objects: dict[str, Any], held: dict[str, list[str]]) -> None:
+    trainable = [v for obj in objects.values() if not _state.is_optimizer(obj) and not _state.is_unbuilt(obj)
+                 for v in getattr(obj, "trainable_variables", [])]
+    for name, obj in objects.items():
+        if _state.is_optimizer(obj) and not obj.built and len(held.get(name, [])) > len(obj.variables) and trainable:
+            with _state.scope_of(_state.strategy_of(trainable)), _state.outside_name_scopes():
+                obj.build(trainable)
+
+
+def ready() -> None:
+    """Lets the agent ask this generation to regroup (see ``runtime.elastic.ready``)."""
+    _runtime.ready()
+
+
+def at_step_boundary() -> None:
+    """Stops this worker (handing off its commit) when the agent asked the generation to regroup."""
+    if _runtime.regroup_requested():
+        _runtime.stop_for_regroup()
+
+
