@@ -102,18 +102,20 @@ def train_fit(strategy, backup_dir: str, on_step=None) -> tuple[list[np.ndarray]
     model = build(strategy)
     x, y = data()
 
+    backup = distribute.BackupAndRestore(backup_dir)
+
     class Report(keras.callbacks.Callback):
         def on_train_begin(self, logs=None):
-            self.step = None
+            self.start = backup.resumed_step or 0  # an elastic generation resumes mid-epoch
+            _say(strategy, f"starts at step {self.start}")
 
         def on_epoch_begin(self, epoch, logs=None):
             self.epoch = epoch
 
         def on_train_batch_end(self, batch, logs=None):
             step = self.epoch * STEPS_PER_EPOCH + batch + 1
-            if self.step is None:
-                _say(strategy, f"starts at step {step - 1}")  # the first batch this generation runs
-            self.step = step
+            if step <= self.start:
+                return  # applied by an earlier generation; fit only reads past its batch
             _say(strategy, f"applied step {step}")
             if on_step is not None:
                 on_step(step)
@@ -121,7 +123,7 @@ def train_fit(strategy, backup_dir: str, on_step=None) -> tuple[list[np.ndarray]
         def on_epoch_end(self, epoch, logs=None):
             _say(strategy, f"epoch {epoch} loss {float(logs['loss'])!r} mae {float(logs['mae'])!r}", chief_only=True)
 
-    callbacks = [distribute.BackupAndRestore(backup_dir), Report()]
+    callbacks = [backup, Report()]
     history = model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=EPOCHS, shuffle=False, verbose=0, callbacks=callbacks)
     return [np.asarray(w) for w in model.get_weights()], [float(v) for v in history.history["loss"]]
 

@@ -84,6 +84,7 @@ def _check(mode: str, tmp_path) -> None:
         for i, want in enumerate(weights):
             np.testing.assert_allclose(got[f"arr_{i}"], want, rtol=1e-5, atol=1e-6)
     logged = {int(e): float(v) for e, v in re.findall(r"gen \d worker 0 epoch (\d) loss (\S+)", output)}
+    assert len(re.findall(r"gen \d worker 0 epoch \d loss", output)) == elastic_job.EPOCHS, tail  # each epoch once
     assert sorted(logged) == list(range(elastic_job.EPOCHS)), tail
     np.testing.assert_allclose([logged[e] for e in range(elastic_job.EPOCHS)], losses, rtol=1e-5)
 
@@ -91,6 +92,11 @@ def _check(mode: str, tmp_path) -> None:
 @pytest.mark.multiprocess
 def test_custom_loop_shrinks_and_grows_without_disk(tmp_path):
     _check("loop", tmp_path)
+
+
+@pytest.mark.multiprocess
+def test_keras_fit_shrinks_and_grows_without_disk(tmp_path):
+    _check("fit", tmp_path)
 
 
 def test_bad_flags_are_clear_errors(capsys):
