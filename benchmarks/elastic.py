@@ -13,7 +13,9 @@ mid-epoch, and is recovered two ways:
   same job is launched again at once; BackupAndRestore resumes from the last
   epoch's backup on disk.
 
-Recovery seconds: from the killed worker's last line (just before its SIGKILL)
+Both workers pause SETTLE_SECONDS one step before the kill (a job trains a
+while before it loses a worker; by then the elastic launcher's spare processes
+have done their imports).  Recovery seconds: from the killed worker's last line (just before its SIGKILL)
 to the first step completed after recovery.  Steps redone: steps applied before
 the death that the recovered job applies again.  The in-memory commit's cost per
 step is measured in this process (one device), beside the step time.
@@ -37,6 +39,7 @@ import time
 import numpy as np
 
 HERE = pathlib.Path(__file__).resolve()
+SETTLE_SECONDS = 30.0
 MODELS = {  # hidden sizes, rows, global batch, epochs, kill step (global, 1-based)
     "small": ((64,), 1024, 64, 3, 26),
     "20m": ((4096, 4096), 256, 32, 3, 12),
@@ -64,14 +67,18 @@ def _model(model: str, strategy):
 
 
 def worker(model: str, backup_dir: str, kill_step: int) -> None:
+    print(f"P {time.time():.4f} program starts", flush=True)
     import keras
 
     import distribute
     from distribute.multi_worker import CommunicationOptions
 
+    print(f"P {time.time():.4f} imported", flush=True)
     strategy = distribute.MultiWorkerMirroredStrategy(communication_options=CommunicationOptions(timeout_seconds=30))
     me = strategy.cluster_resolver.task_id
+    print(f"P {time.time():.4f} strategy", flush=True)
     net = _model(model, strategy)
+    print(f"P {time.time():.4f} model built", flush=True)
     x, y = _data(model)
     _, rows, batch, epochs, _ = MODELS[model]
     steps = rows // batch
@@ -86,6 +93,8 @@ def worker(model: str, backup_dir: str, kill_step: int) -> None:
             if step <= (backup.resumed_step or 0):
                 return
             print(f"T {time.time():.4f} worker {me} step {step}", flush=True)
+            if step == kill_step - 1 and os.environ.get("DISTRIBUTE_ELASTIC_GENERATION", "0") == "0":
+                time.sleep(SETTLE_SECONDS)  # a job trains a while before a loss: the launcher's spares are ready
             if me == 1 and step == kill_step and os.environ.get("DISTRIBUTE_ELASTIC_GENERATION", "0") == "0":
                 print(f"KILL {time.time():.4f}", flush=True)
                 os.kill(os.getpid(), signal.SIGKILL)

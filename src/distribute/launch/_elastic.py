@@ -29,6 +29,7 @@ import time
 from collections.abc import Mapping, Sequence
 
 from distribute.launch._agent import StateStore
+from distribute.launch._spares import Spare, program_of
 from distribute.launch._tasks import (
     EXIT_TIMEOUT,
     LaunchResult,
@@ -211,6 +212,9 @@ def launch_elastic(argv_or_command: Sequence[str] | str, config: ElasticConfig, 
     cache_dir = tempfile.mkdtemp(prefix="distribute-jax-cache-")
     base = _elastic_environment({**os.environ, **(env or {})}, store, cache_dir)
     deadline = None if timeout_seconds is None else time.monotonic() + timeout_seconds
+    spare_env = {k: v for k, v in task_environment(base, {"worker": []}, "worker", 0, devices_per_worker).items()
+                 if k != "TF_CONFIG"}
+    pool: list[Spare] = []
     slots.start()
     restarts, generation = 0, 0
     try:
@@ -223,7 +227,7 @@ def launch_elastic(argv_or_command: Sequence[str] | str, config: ElasticConfig, 
                 output.note(f"generation {generation}: {size} worker(s)"
                             + (f", restoring step {held} from the agent's memory" if held is not None else ""))
                 outcome = _run_generation(command, size, generation, base, devices_per_worker, store, slots, config,
-                                          output, signals, deadline, grace_seconds)
+                                          output, signals, deadline, grace_seconds, (pool, spare_env))
                 kind, tasks, code, failed = outcome
                 if kind in ("done", "signal", "timeout"):
                     return _ended(tasks, output, code, failed, kind == "timeout")
@@ -238,6 +242,8 @@ def launch_elastic(argv_or_command: Sequence[str] | str, config: ElasticConfig, 
                 generation += 1
                 base = {**base, "DISTRIBUTE_ELASTIC_GENERATION": str(generation)}
     finally:
+        for spare in pool:
+            spare.discard()
         slots.stop()
         store.close()
         shutil.rmtree(cache_dir, ignore_errors=True)
@@ -245,16 +251,31 @@ def launch_elastic(argv_or_command: Sequence[str] | str, config: ElasticConfig, 
 
 def _run_generation(command: list[str], size: int, generation: int, base: dict[str, str], devices: int | None,
                     store: StateStore, slots: _Slots, config: ElasticConfig, output: _Output, signals: _Signals,
-                    deadline: float | None, grace_seconds: float) -> tuple[str, list[_Task], int, _Task | None]:
-    """Runs one generation; ``(kind, tasks, returncode, failed task)`` with kind done/failed/grow/signal/timeout."""
+                    deadline: float | None, grace_seconds: float,
+                    spares: tuple[list[Spare], dict[str, str]]) -> tuple[str, list[_Task], int, _Task | None]:
+    """Runs one generation; ``(kind, tasks, returncode, failed task)`` with kind done/failed/grow/signal/timeout.
+
+    Its workers are spares from ``spares[0]`` where there are some; once every
+    worker trains, the pool is filled up to MAX for the next generation.
+    """
     cluster = build_cluster(size)
     env = {**base, "DISTRIBUTE_ELASTIC_GENERATION": str(generation)}
+    pool, spare_env = spares
+    program = program_of(command)
     tasks: list[_Task] = []
-    asked_to_grow = False
+    asked_to_grow, pool_filled = False, program is None
     try:
         for task_id in range(size):
-            tasks.append(_Task("worker", task_id, command, task_environment(env, cluster, "worker", task_id, devices),
-                               output, name=f"worker {task_id} g{generation}"))
+            name, task_env = f"worker {task_id} g{generation}", task_environment(env, cluster, "worker", task_id, devices)
+            while pool:
+                spare = pool.pop(0)
+                if spare.assign(task_id, name, {k: task_env[k] for k in ("TF_CONFIG", "DISTRIBUTE_ELASTIC_GENERATION")},
+                                program or []):
+                    tasks.append(spare)
+                    break
+                spare.discard()
+            else:
+                tasks.append(_Task("worker", task_id, command, task_env, output, name=name))
         while True:
             codes = [t.proc.poll() for t in tasks]
             if all(c == 0 for c in codes):
@@ -280,6 +301,9 @@ def _run_generation(command: list[str], size: int, generation: int, base: dict[s
                 output.note("timed out; stopping every worker")
                 _stop(tasks, signal.SIGTERM, grace_seconds, signals)
                 return "timeout", tasks, EXIT_TIMEOUT, None
+            if not pool_filled and all(t.proc.pid in store.ready for t in tasks):
+                pool += [Spare(spare_env, output) for _ in range(config.max_workers - len(pool))]
+                pool_filled = True
             if (not asked_to_grow and size < config.max_workers and slots.count > size
                     and all(t.proc.pid in store.ready for t in tasks)):
                 output.note(f"{slots.count} slots available (generation {generation} has {size}): asking the "
