@@ -19,6 +19,8 @@ import logging
 import time
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 import distribute.checkpoint._state as _state
@@ -32,14 +34,43 @@ def enabled() -> bool:
     return _runtime.agent_address() is not None
 
 
-def commit(objects: dict[str, Any], meta: dict, extra_arrays: tuple[np.ndarray, ...] = ()) -> None:
-    """Keeps host copies of every variable of ``objects`` (name -> Keras object) with ``meta`` (an int ``step``)."""
-    names, arrays = {}, []
+def commit(objects: dict[str, Any], meta: dict) -> None:
+    """Keeps a copy of every variable of ``objects`` (name -> Keras object) with ``meta`` (an int ``step``).
+
+    The copy is made on this worker's device by one compiled program, dispatched
+    without waiting (the next step, which donates the variables' buffers, waits
+    for it); it is read to host memory only when handed to the agent.  A
+    variable whose value spans several workers' devices unevenly (sharded
+    state) is gathered to host memory at once instead.
+    """
+    names, local, dtypes = {}, [], []
     for name, obj in objects.items():
         variables = _state.variables_of(name, obj)
         names[name] = [v.path for v in variables]
-        arrays += [_state.host_value(v) for v in variables]
-    _runtime.commit(dict(meta, objects=names), arrays + list(extra_arrays))
+        for v in variables:
+            local.append(_local_value(v))
+            dtypes.append(np.dtype(v.dtype).str)
+    on_device = [i for i, value in enumerate(local) if isinstance(value, jax.Array)]
+    copies = _copy_all([local[i] for i in on_device]) if on_device else []
+    for i, copy in zip(on_device, copies):
+        local[i] = copy
+    _runtime.commit(dict(meta, objects=names), local, dtypes)
+
+
+def _local_value(variable: Any) -> Any:
+    """This worker's whole value of ``variable``: a one-device jax.Array (replicated state) or a host copy."""
+    value = variable.value
+    if isinstance(value, jax.Array):
+        if value.is_fully_replicated:
+            return value.addressable_data(0)  # every device holds the whole value: one copy is the state
+        if value.is_fully_addressable and len(value.sharding.device_set) == 1:
+            return value
+    return _state.host_value(variable)  # sharded state: gathered (every worker commits at the same step)
+
+
+@jax.jit
+def _copy_all(values: list) -> list:
+    return [jnp.copy(v) for v in values]
 
 
 def restore(objects: dict[str, Any]) -> tuple[dict, list[np.ndarray]] | None:

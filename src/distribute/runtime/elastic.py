@@ -59,8 +59,14 @@ def generation() -> int:
 
 
 # -- the wire format: 8-byte header length, JSON header, raw array bytes ------------------------------------------
-def encode(meta: dict, arrays: list[np.ndarray]) -> list[bytes | memoryview]:
-    """The pieces of one state message (sent back to back); the arrays are not copied."""
+def encode(meta: dict, arrays: list, dtypes: list[str] | None = None) -> list[bytes | memoryview]:
+    """The pieces of one state message (sent back to back).
+
+    ``arrays``: numpy arrays or anything ``np.asarray`` reads (a device array is
+    read to host memory here); ``dtypes``: the dtype each is sent as (None: its own).
+    """
+    arrays = [np.asarray(a) if dtypes is None else np.asarray(a).astype(np.dtype(d), copy=False)
+              for a, d in zip(arrays, dtypes or [None] * len(arrays))]
     entries, offset = [], 0
     for a in arrays:
         entries.append({"dtype": a.dtype.str, "shape": list(a.shape), "offset": offset, "nbytes": a.nbytes})
@@ -99,19 +105,27 @@ class _Commit:
     """This process's newest committed state (replaced whole, so a hand-off from another thread sees one step)."""
 
     lock = threading.Lock()
-    state: tuple[dict, list[np.ndarray]] | None = None
+    state: tuple[dict, list, list[str] | None] | None = None
     handed_off = False
     regroup = threading.Event()
 
 
-def commit(meta: dict, arrays: list[np.ndarray]) -> None:
-    """Keeps ``(meta, arrays)`` as this worker's newest committed state (host copies the caller made)."""
-    _Commit.state = (dict(meta, generation=generation()), arrays)
+def commit(meta: dict, arrays: list, dtypes: list[str] | None = None) -> None:
+    """Keeps ``(meta, arrays)`` as this worker's newest committed state.
+
+    ``arrays``: copies the caller made (numpy arrays, or device arrays that no
+    step will donate: read to host memory only by ``hand_off``); ``dtypes``: the
+    dtype each is handed over as.
+    """
+    _Commit.state = (dict(meta, generation=generation()), arrays, dtypes)
 
 
 def committed() -> tuple[dict, list[np.ndarray]] | None:
-    """The newest committed state of this process, or None."""
-    return _Commit.state
+    """The newest committed state of this process, as host arrays, or None."""
+    state = _Commit.state
+    if state is None:
+        return None
+    return decode(b"".join(bytes(piece) for piece in encode(*state)))
 
 
 def hand_off(reason: str) -> bool:
