@@ -108,10 +108,10 @@ def _steps(output: str) -> list[tuple[float, int]]:
 
 def _recovery(first: str, second: str, kill_step: int) -> dict:
     killed = float(re.search(r"KILL (\S+)", first).group(1))
-    applied = max(s for _, s in _steps(first))  # by the survivor, before it stopped
-    after = _steps(second)
-    t_next, s_next = after[0]
-    return {"recovery_seconds": round(t_next - killed, 2), "steps_redone": max(0, max(applied, kill_step) - (s_next - 1)),
+    t_next, s_next = _steps(second)[0]
+    # The killed worker's last step is the last one completed (fit's callbacks may run before a step ends,
+    # so the survivor's own lines can name a step that never completed).
+    return {"recovery_seconds": round(t_next - killed, 2), "steps_redone": max(0, kill_step - (s_next - 1)),
             "resumed_at_step": s_next - 1, "killed_after_step": kill_step}
 
 
@@ -166,7 +166,7 @@ def commit_cost(model: str, repeats: int = 3) -> dict:
         def on_train_batch_end(self, b, logs=None):
             elastic.commit({"model": self.model, "optimizer": self.model.optimizer}, {"step": b})
             if self.wait:
-                jax.block_until_ready(runtime._Commit.state[1])
+                jax.block_until_ready(runtime.newest()[1])
 
     import jax
 

@@ -34,14 +34,17 @@ def enabled() -> bool:
     return _runtime.agent_address() is not None
 
 
-def commit(objects: dict[str, Any], meta: dict) -> None:
+def commit(objects: dict[str, Any], meta: dict, values: dict[str, Any] | None = None) -> None:
     """Keeps a copy of every variable of ``objects`` (name -> Keras object) with ``meta`` (an int ``step``).
 
     The copy is made on this worker's device by one compiled program, dispatched
     without waiting (the next step, which donates the variables' buffers, waits
-    for it); it is read to host memory only when handed to the agent.  A
+    for it); it is read to host memory only when handed to the agent.  The
+    previous step's copy is waited for here, so the commit before the newest is
+    always complete (a step whose peer died never completes).  A
     variable whose value spans several workers' devices unevenly (sharded
-    state) is gathered to host memory at once instead.
+    state) is gathered to host memory at once instead.  ``values``: more arrays
+    (a step's logs), kept the same way and returned by ``restore`` by name.
     """
     names, local, dtypes = {}, [], []
     for name, obj in objects.items():
@@ -50,11 +53,19 @@ def commit(objects: dict[str, Any], meta: dict) -> None:
         for v in variables:
             local.append(_local_value(v))
             dtypes.append(np.dtype(v.dtype).str)
-    on_device = [i for i, value in enumerate(local) if isinstance(value, jax.Array)]
+    for value in (values or {}).values():
+        if isinstance(value, jax.Array) and value.is_fully_replicated:
+            value = value.addressable_data(0)
+        local.append(value if isinstance(value, jax.Array) else np.asarray(value))
+        dtypes.append(np.dtype(getattr(value, "dtype", np.float32)).str)
+    on_device = [i for i, value in enumerate(local) if isinstance(value, jax.Array) and value.is_fully_addressable]
     copies = _copy_all([local[i] for i in on_device]) if on_device else []
     for i, copy in zip(on_device, copies):
         local[i] = copy
-    _runtime.commit(dict(meta, objects=names), local, dtypes)
+    previous = _runtime.newest()
+    if previous is not None:  # the host runs at most one step ahead of the last complete commit
+        jax.block_until_ready([a for a in previous[1] if isinstance(a, jax.Array)])
+    _runtime.commit(dict(meta, objects=names, values=list(values or {})), local, dtypes)
 
 
 def _local_value(variable: Any) -> Any:
@@ -73,8 +84,8 @@ def _copy_all(values: list) -> list:
     return [jnp.copy(v) for v in values]
 
 
-def restore(objects: dict[str, Any]) -> tuple[dict, list[np.ndarray]] | None:
-    """Assigns the agent's state to ``objects``' variables; returns ``(meta, extra arrays)``, or None when it holds none.
+def restore(objects: dict[str, Any]) -> tuple[dict, dict[str, np.ndarray]] | None:
+    """Assigns the agent's state to ``objects``' variables; returns ``(meta, values)``, or None when it holds none.
 
     An optimizer not built yet is built first with the models' trainable
     variables (its slots exist once it has applied a step), as a checkpoint restore.
@@ -101,7 +112,7 @@ def restore(objects: dict[str, Any]) -> tuple[dict, list[np.ndarray]] | None:
     _state.assign([(v, np.array(a)) for v, a in plan])
     logger.warning("elastic: generation %d restored step %s from the agent's memory (%.3f s)", _runtime.generation(),
                    meta["step"], time.monotonic() - begin)
-    return meta, arrays[position:]
+    return meta, dict(zip(meta.get("values", []), arrays[position:]))
 
 
 def _build_optimizers(objects: dict[str, Any], held: dict[str, list[str]]) -> None:

@@ -80,9 +80,9 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
             _elastic.ready()
             held = _elastic.restore(self._elastic_objects())
             if held is not None:  # the newest step any worker committed: no disk read
-                meta = held[0]
+                meta, held_logs = held
                 metric_values = [host_value(v) for v in self._model.metrics_variables]
-                self._elastic_resume = (int(meta["epoch"]), int(meta["batch"]), meta["logs"], metric_values)
+                self._elastic_resume = (int(meta["epoch"]), int(meta["batch"]), held_logs, metric_values)
                 self._current_epoch = int(meta["epoch"])
                 self._model._initial_epoch = self._current_epoch
                 self.resumed_step = int(meta["step"])
@@ -106,7 +106,7 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
         for variable, value in zip(self._model.metrics_variables, metric_values):  # fit reset them at epoch begin
             variable.assign(value)
         if batches:
-            self._skip(batches, {k: np.float32(v) for k, v in held_logs.items()})
+            self._skip(batches, {k: np.asarray(v) for k, v in held_logs.items()})
 
     def _skip(self, batches: int, held_logs: dict) -> None:
         """The next ``batches`` batches of this epoch were applied by an earlier generation: read past them only."""
@@ -135,10 +135,9 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
             return
         model = self.model  # syncs the step's state into the variables (Keras' JAX trainer keeps it apart)
         steps = int(self.params.get("steps") or 0)
-        meta = {"step": self._current_epoch * steps + batch + 1, "epoch": int(self._current_epoch), "batch": batch + 1,
-                "logs": {k: float(np.asarray(v)) for k, v in (logs or {}).items()}}
+        meta = {"step": self._current_epoch * steps + batch + 1, "epoch": int(self._current_epoch), "batch": batch + 1}
         del model
-        _elastic.commit(self._elastic_objects(), meta)
+        _elastic.commit(self._elastic_objects(), meta, dict(logs or {}))  # no wait for the step's values
         _elastic.at_step_boundary()
 
     def _load_model(self) -> None:

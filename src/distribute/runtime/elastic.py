@@ -105,7 +105,9 @@ class _Commit:
     """This process's newest committed state (replaced whole, so a hand-off from another thread sees one step)."""
 
     lock = threading.Lock()
-    state: tuple[dict, list, list[str] | None] | None = None
+    # The newest commits, oldest first: the newest one's values may still be computing (a step is dispatched
+    # without waiting), the one before is being waited for by the next commit, the one before that is complete.
+    states: list[tuple[dict, list, list[str] | None]] = []
     handed_off = False
     regroup = threading.Event()
 
@@ -117,35 +119,52 @@ def commit(meta: dict, arrays: list, dtypes: list[str] | None = None) -> None:
     step will donate: read to host memory only by ``hand_off``); ``dtypes``: the
     dtype each is handed over as.
     """
-    _Commit.state = (dict(meta, generation=generation()), arrays, dtypes)
+    _Commit.states = [*_Commit.states[-2:], (dict(meta, generation=generation()), arrays, dtypes)]
+
+
+def newest() -> tuple[dict, list, list[str] | None] | None:
+    """The newest commit as given (its arrays may still be computing), or None."""
+    return _Commit.states[-1] if _Commit.states else None
 
 
 def committed() -> tuple[dict, list[np.ndarray]] | None:
     """The newest committed state of this process, as host arrays, or None."""
-    state = _Commit.state
+    state = newest()
     if state is None:
         return None
     return decode(b"".join(bytes(piece) for piece in encode(*state)))
 
 
 def hand_off(reason: str) -> bool:
-    """Sends the committed state to the agent (once per process); True when the agent has it."""
-    state = _Commit.state
-    if state is None or agent_address() is None:
+    """Sends the committed state to the agent (once per process); True when the agent has it.
+
+    The newest commits may hold device values of a step that never completed (a
+    peer died inside it, and the step was dispatched without waiting): reading
+    one then fails, and the one before it is handed over instead.
+    """
+    if agent_address() is None:
         return False
     with _Commit.lock:
         if _Commit.handed_off:
             return True
         begin = time.monotonic()
-        try:
-            status, _ = _request("PUT", "/state", encode(*state))
-        except OSError as err:
-            logger.error("elastic: could not hand the committed state to the agent at %s: %s", agent_address(), err)
-            return False
-        _Commit.handed_off = status == 200
-        logger.warning("elastic: %s; handed the state of step %s to the agent (%.3f s)", reason,
-                       state[0].get("step"), time.monotonic() - begin)
-        return _Commit.handed_off
+        for state in reversed(_Commit.states):
+            try:
+                pieces = encode(*state)
+            except Exception as err:  # noqa: BLE001 - the step's values failed with the lost peer
+                logger.warning("elastic: the commit of step %s cannot be read (%s); handing over the one before",
+                               state[0].get("step"), str(err).splitlines()[0][:200])
+                continue
+            try:
+                status, _ = _request("PUT", "/state", pieces)
+            except OSError as err:
+                logger.error("elastic: could not hand the committed state to the agent at %s: %s", agent_address(), err)
+                return False
+            _Commit.handed_off = status == 200
+            logger.warning("elastic: %s; handed the state of step %s to the agent (%.3f s)", reason,
+                           state[0].get("step"), time.monotonic() - begin)
+            return _Commit.handed_off
+        return False
 
 
 def fetch() -> tuple[dict, list[np.ndarray]] | None:
