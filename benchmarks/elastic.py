@@ -111,7 +111,9 @@ def _recovery(first: str, second: str, kill_step: int) -> dict:
     t_next, s_next = _steps(second)[0]
     # The killed worker's last step is the last one completed (fit's callbacks may run before a step ends,
     # so the survivor's own lines can name a step that never completed).
+    phases = {name: round(float(t) - killed, 2) for t, name in re.findall(r"\[worker 0[^\]]*\] P (\S+) (.+)", second)}
     return {"recovery_seconds": round(t_next - killed, 2), "steps_redone": max(0, kill_step - (s_next - 1)),
+            "seconds_after_the_kill": phases,
             "resumed_at_step": s_next - 1, "killed_after_step": kill_step}
 
 
@@ -192,7 +194,7 @@ def commit_cost(model: str, repeats: int = 3) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--models", default="small,20m")
-    parser.add_argument("--out", default=None)
+    parser.add_argument("--out", default=None, help="write the results here (kept: benchmarks/results/elastic/results.json)")
     args = parser.parse_args()
     os.environ.setdefault("KERAS_BACKEND", "jax")
     results = {}
