@@ -31,6 +31,7 @@ import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import distribute.checkpoint._elastic as _elastic
 import distribute.checkpoint._storage as _storage
 from distribute.checkpoint._preemption_sync import (
     INITIAL_RUN_COUNT_KEY,
@@ -157,8 +158,13 @@ class PreemptionCheckpointHandler:
             setattr(checkpoint, _ITERATION_VARIABLE, self._checkpointed_runs)
         else:
             self._checkpointed_runs = getattr(checkpoint, _ITERATION_VARIABLE)
+        self._elastic = _elastic.enabled()
         with _quiet_int64():
-            self._restore()
+            held = _elastic.restore(checkpoint._objects) if self._elastic else None
+            if held is None:
+                self._restore()  # the disk checkpoint: the fallback when no worker handed its state over
+            else:
+                self._checkpointed_runs.assign(int(held[0]["step"]))
         self._run_counter = int(self._checkpointed_runs.numpy())
         self._estimated_run_time = 0.0
         self._final_checkpoint_countdown = False
@@ -174,6 +180,8 @@ class PreemptionCheckpointHandler:
         else:
             self._watch_sigterm()
         self._sync.start()
+        if self._elastic:
+            _elastic.ready()
         atexit.register(self._stop_watching)
         logger.info("PreemptionCheckpointHandler initialized or restored (total_run_calls=%d).", self._run_counter)
 
@@ -200,6 +208,9 @@ class PreemptionCheckpointHandler:
         self._sync.wait_for_run(result)
         self._run_counter += 1
         self._estimated_run_time += (time.time() - begin - self._estimated_run_time) / self._run_counter
+        if self._elastic:  # an elastic launch: this run's state is the one a new generation restores
+            _elastic.commit(self._checkpoint._objects, {"step": self._run_counter})
+            _elastic.at_step_boundary()
         return result
 
     def save_checkpoint_if_preempted(self, *args: Any, **kwargs: Any) -> None:

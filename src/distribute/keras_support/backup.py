@@ -23,8 +23,11 @@ from typing import Any
 
 import keras
 
+import numpy as np
+
+import distribute.checkpoint._elastic as _elastic
 from distribute.checkpoint import Checkpoint, CheckpointManager, UnreadableCheckpointError
-from distribute.checkpoint._state import should_checkpoint, strategy_of
+from distribute.checkpoint._state import host_value, should_checkpoint, strategy_of
 
 _NAME = "backup"
 
@@ -70,7 +73,72 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
         return manager
 
     def on_train_begin(self, logs: Any = None) -> None:
+        self.resumed_step: int | None = None  # the global step an elastic generation restored (None: none)
+        self._elastic_resume: tuple[int, int, dict, list] | None = None
+        self._skipping = False
+        if _elastic.enabled():
+            _elastic.ready()
+            held = _elastic.restore(self._elastic_objects())
+            if held is not None:  # the newest step any worker committed: no disk read
+                meta, held_logs = held
+                metric_values = [host_value(v) for v in self._model.metrics_variables]
+                self._elastic_resume = (int(meta["epoch"]), int(meta["batch"]), held_logs, metric_values)
+                self._current_epoch = int(meta["epoch"])
+                self._model._initial_epoch = self._current_epoch
+                self.resumed_step = int(meta["step"])
+                return
         self._load_model()
+
+    # -- an elastic launch: commit each step in memory, resume at the committed step -----------------------------
+    def _elastic_objects(self) -> dict[str, Any]:
+        model = self._model
+        objects: dict[str, Any] = {"model": model, "metrics": _Variables(model.metrics_variables)}
+        if getattr(model, "optimizer", None) is not None:
+            objects["optimizer"] = model.optimizer
+        return objects
+
+    def on_epoch_begin(self, epoch: int, logs: Any = None) -> None:
+        super().on_epoch_begin(epoch, logs)
+        resume, self._elastic_resume = self._elastic_resume, None
+        if resume is None or resume[0] != epoch:
+            return
+        _, batches, held_logs, metric_values = resume
+        for variable, value in zip(self._model.metrics_variables, metric_values):  # fit reset them at epoch begin
+            variable.assign(value)
+        if batches:
+            self._skip(batches, {k: np.asarray(v) for k, v in held_logs.items()})
+
+    def _skip(self, batches: int, held_logs: dict) -> None:
+        """The next ``batches`` batches of this epoch were applied by an earlier generation: read past them only."""
+        model = self._model
+        real = model.train_function
+        remaining = [batches]
+        self._skipping = True
+
+        def train_function(state: Any, iterator: Any) -> Any:
+            if remaining[0] <= 0:
+                model.train_function = real
+                self._skipping = False
+                return real(state, iterator)
+            for _ in range(min(max(int(model.steps_per_execution), 1), remaining[0])):
+                next(iterator)
+                remaining[0] -= 1
+            return dict(held_logs), state
+
+        model.train_function = train_function
+
+    def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
+        if self._skipping:
+            return
+        super().on_train_batch_end(batch, logs)
+        if not _elastic.enabled():
+            return
+        model = self.model  # syncs the step's state into the variables (Keras' JAX trainer keeps it apart)
+        steps = int(self.params.get("steps") or 0)
+        meta = {"step": self._current_epoch * steps + batch + 1, "epoch": int(self._current_epoch), "batch": batch + 1}
+        del model
+        _elastic.commit(self._elastic_objects(), meta, dict(logs or {}))  # no wait for the step's values
+        _elastic.at_step_boundary()
 
     def _load_model(self) -> None:
         model = self.model
@@ -102,3 +170,10 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
             return
         if should_checkpoint(strategy_of(list(self.model.variables))):
             shutil.rmtree(self.backup_dir, ignore_errors=True)
+
+
+class _Variables:
+    """A list of variables as an object with ``variables`` (the metrics' state, committed with the model)."""
+
+    def __init__(self, variables: list) -> None:
+        self.variables = list(variables)

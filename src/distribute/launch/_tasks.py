@@ -172,9 +172,9 @@ class _Output:
 
 class _Task:
     def __init__(self, task_type: str, task_id: int, command: list[str], env: dict[str, str],
-                 output: _Output):
+                 output: _Output, name: str | None = None):
         self.task_type, self.task_id = task_type, task_id
-        self.name = f"{task_type} {task_id}"
+        self.name = name or f"{task_type} {task_id}"
         self.proc = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                      stderr=subprocess.PIPE, start_new_session=True)
         self.readers = [

@@ -71,9 +71,23 @@ def end_on_sigterm(signum: int, frame: Any) -> None:
     threading.Thread(target=end, name="distribute-sigterm", daemon=True).start()
 
 
+# Run before a worker stops at once (a lost peer, an unhandled error): an elastic launch's hand-off of the
+# committed state (valid whatever the reason: it is the last step this worker completed).
+BEFORE_LOST_EXIT: list = []
+
+
 def stop_now(message: str, code: int) -> None:
-    """Logs ``message`` and ends this process at once (a blocked collective cannot be interrupted)."""
+    """Logs ``message`` and ends this process at once (a blocked collective cannot be interrupted).
+
+    The ``BEFORE_LOST_EXIT`` hooks run first.
+    """
     logger.error(message)
+    if code != 0:
+        for hook in BEFORE_LOST_EXIT:
+            try:
+                hook()
+            except Exception as err:  # noqa: BLE001 - the process ends anyway
+                logger.error("before stopping: %r failed: %s", hook, err)
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
