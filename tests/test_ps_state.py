@@ -31,7 +31,7 @@ def remote_everything():
     registry.REMOTE_BYTES = saved
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture  # one per test: the checkpoint test kills one of its ps
 def two_ps(ray_instance, remote_everything):
     # (40, 4) float32 = 640 bytes: 2 shards of 20 rows; (4, 4) = 64 bytes: 1 shard.
     partitioner = MinSizePartitioner(min_shard_bytes=256, max_shards=2)

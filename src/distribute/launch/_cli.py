@@ -90,8 +90,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as e:
         parser.error(str(e))
     except TimeoutError as e:  # an elastic launch waited too long for MIN worker slots
-        print(f"[launch] {e}", file=sys.stderr)
-        return 1
+        parser.exit(1, f"[launch] {e}\n")
     return result.returncode
 
 
