@@ -1,6 +1,7 @@
 """Test setup: the JAX backend for Keras and 8 virtual CPU devices, before JAX loads."""
 
 import os
+import re
 
 os.environ["KERAS_BACKEND"] = "jax"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -32,15 +33,18 @@ def pytest_collection_modifyitems(config, items):
     ``--dist loadgroup`` sends the tests of one ``xdist_group`` to one worker.  Every test that starts or
     joins Ray is in group "ray", so the suite starts one local Ray instance, not one per worker, and no two
     Ray clusters start at the same moment: the tests that use the ``ray_instance`` fixture, those of a module
-    that makes a ParameterServerStrategy in this process or launches a ps cluster (``test_ps_*``), and those
-    marked ``xdist_group("ray")`` themselves.  Every other test is grouped by its module, so a module's
+    that makes a ParameterServerStrategy in this process or launches a ps cluster (a ``test_ps_*`` module that
+    names Ray, a cluster or a launch; the pure ones, e.g. the rows analysis and the partitioners, are grouped
+    by module like any other), and those marked ``xdist_group("ray")`` themselves.  Every other test is grouped by its module, so a module's
     fixtures (a multi-worker launch is tens of seconds) are set up once, in one worker.
     """
     in_ray: dict = {}
     for item in items:
         path = getattr(item, "path", None)
         if path is not None and path not in in_ray:
-            in_ray[path] = path.name.startswith("test_ps_") or "ParameterServerStrategy(" in path.read_text()
+            text = path.read_text()
+            in_ray[path] = "ParameterServerStrategy(" in text or (
+                path.name.startswith("test_ps_") and re.search(r"\bray\b|ray_instance|[Ll]aunch|Cluster", text) is not None)
         if any(mark.args == ("ray",) for mark in item.iter_markers("xdist_group")):
             continue
         if "ray_instance" in getattr(item, "fixturenames", ()) or in_ray.get(path):

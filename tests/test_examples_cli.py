@@ -12,8 +12,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _run(args, tmp_path, timeout=600, env_extra=None):
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "KERAS_BACKEND")}
+def _run(args, tmp_path, timeout=600, env_extra=None, env_drop=()):
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "KERAS_BACKEND", *env_drop)}
     env.update(env_extra or {})
     return subprocess.run(
         [sys.executable, *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout
@@ -52,15 +52,29 @@ def test_custom_loop_example_trains(tmp_path):
     assert float(epochs[-1].split("Test Accuracy: ")[1]) > 80.0
 
 
-@pytest.mark.parametrize("replicas,mode", [(1, "fit"), (2, "fit"), (4, "fit"), (2, "custom")])
-def test_main_job_reaches_095_on_digits(tmp_path, replicas, mode):
+def _assert_epoch_lines_follow_the_bar(lines, epochs):
+    """Our per-epoch summary lines stand on their own, each after Keras' header and its finished bar."""
+    assert sum(l.startswith("epoch ") for l in lines) == epochs
+    assert not any("epoch " in l and not l.startswith("epoch ") for l in lines), "\n".join(lines)
+    for epoch in range(1, epochs + 1):
+        at = lines.index(next(l for l in lines if l.startswith(f"epoch {epoch}/{epochs}: ")))
+        assert f"Epoch {epoch}/{epochs}" in lines[:at]  # Keras' header, its finished bar, then our summary
+        assert "val_accuracy" in lines[at - 1] and lines[at - 1].rstrip().endswith(tuple("0123456789")), repr(lines[at - 1])
+
+
+# Replicas 1 and 2 (one device, and the all-reduce path that any larger count takes), fit and custom; the
+# runs print Keras' progress (verbose 1: the bar, 2: a line per epoch) so the same runs check that our epoch
+# lines are not inside it (custom at verbose 2: test_main_job_epoch_lines_are_not_inside_the_progress_bar).
+@pytest.mark.parametrize("replicas,mode,verbose", [(1, "fit", 1), (2, "fit", 2), (2, "custom", 1)])
+def test_main_job_reaches_095_on_digits(tmp_path, replicas, mode, verbose):
     out = tmp_path / "out"
     result = _run(
-        ["-m", "distribute", "train", "--replicas", str(replicas), "--mode", mode, "--verbose", "0", "--output", str(out)],
+        ["-m", "distribute", "train", "--replicas", str(replicas), "--mode", mode, "--verbose", str(verbose), "--output", str(out)],
         tmp_path,
     )
     assert result.returncode == 0, result.stderr
-    lines = result.stdout.strip().splitlines()
+    lines = result.stdout.strip().splitlines()  # the bar's redraws (\r) become lines of their own here
+    _assert_epoch_lines_follow_the_bar(lines, 20)
     assert lines[0].startswith(f"strategy: MirroredStrategy, replicas: {replicas}")
     assert lines[-1].startswith("test accuracy: ")
     assert float(lines[-1].split(": ")[1]) >= 0.95
@@ -228,19 +242,13 @@ def test_main_job_accepts_float_and_column_labels(tmp_path, monkeypatch, capsys)
     assert "60 train / 20 test examples, 16 features, 3 classes" in out
 
 
-@pytest.mark.parametrize("mode,verbose", [("fit", 1), ("fit", 2), ("custom", 1), ("custom", 2)])
-def test_main_job_epoch_lines_are_not_inside_the_progress_bar(tmp_path, mode, verbose):
+def test_main_job_epoch_lines_are_not_inside_the_progress_bar(tmp_path):
+    # Custom mode at verbose 2; fit at 1 and 2 and custom at 1 are checked by test_main_job_reaches_095_on_digits.
     result = _run(
-        ["-m", "distribute", "train", "--mode", mode, "--epochs", "2", "--verbose", str(verbose), "--output", "o"], tmp_path
+        ["-m", "distribute", "train", "--mode", "custom", "--epochs", "2", "--verbose", "2", "--output", "o"], tmp_path
     )
     assert result.returncode == 0, result.stderr
-    lines = result.stdout.splitlines()  # the bar's redraws (\r) become lines of their own here
-    assert sum(l.startswith("epoch ") for l in lines) == 2
-    assert not any("epoch " in l and not l.startswith("epoch ") for l in lines), result.stdout
-    for epoch in (1, 2):
-        at = lines.index(next(l for l in lines if l.startswith(f"epoch {epoch}/2: ")))
-        assert f"Epoch {epoch}/2" in lines[:at]  # Keras' header, its finished bar, then our summary
-        assert "val_accuracy" in lines[at - 1] and lines[at - 1].rstrip().endswith(tuple("0123456789")), repr(lines[at - 1])
+    _assert_epoch_lines_follow_the_bar(result.stdout.splitlines(), 2)  # the bar's redraws (\r) become lines here
 
 
 def test_readme_quick_start_matches_ci():
@@ -254,20 +262,33 @@ def test_readme_quick_start_matches_ci():
     assert ci.index("pip install") < ci.index("ruff check") < ci.index("lint-imports") < ci.index("mkdocs build --strict") < ci.index("-m pytest")
 
 
+_ALARMING = ("os.fork()", "deadlock", "Token authentication", "core_worker.cc", "restart will fail", "Traceback",
+             "Warning", "WARNING", "Error")
+
+
 @pytest.mark.multiprocess
 @pytest.mark.xdist_group("ray")  # starts an embedded Ray cluster (tests/conftest.py)
 @pytest.mark.parametrize("mode", ["fit", "custom"])
 def test_main_job_parameter_server_reaches_093_on_digits(tmp_path, mode):
     # The defaults: an embedded Ray cluster of 2 workers and 1 ps; Keras fit (the default mode) or TF's custom
     # PS loop. The saved model gives the printed accuracy; fit counts every scheduled step once.
-    # The custom loop (the same ps, its own loop code) trains fewer epochs to the same accuracy check.
-    out, epochs = tmp_path / "out", 20 if mode == "fit" else 12
+    # 10 epochs: both modes pass 0.95 test accuracy from epoch 9 on (20 and 12 epochs before; the curves are in
+    # the epoch lines, the cluster's start and the compiles are most of the run).
+    out, epochs = tmp_path / "out", 10
     result = _run(
         ["-m", "distribute", "train", "--strategy", "parameter_server", *(["--mode", mode] if mode == "custom" else []),
          "--epochs", str(epochs), "--verbose", "0", "--output", str(out)],
-        tmp_path, timeout=240,
+        tmp_path, timeout=240, env_drop=("RAY_ADDRESS", "RAY_AUTH_MODE"),  # its own embedded Ray, not the suite's
     )
     assert result.returncode == 0, result.stderr
+    # The embedded cluster starts and stops quietly (issue 16).  Before: every start printed Ray's token
+    # notice, JAX's ``RuntimeWarning: os.fork() was called ... will likely lead to a deadlock`` (Ray forked its
+    # processes with a ``preexec_fn``, Python running in the child of a multithreaded process) and Ray's
+    # ``core_worker.cc ... the actor restart will fail`` for the workers (their constructor arguments were in
+    # the object store).  Now the local Ray head is a child spawned without Python between fork and exec, the
+    # token mode is chosen explicitly, and workers get plain constructor arguments.
+    noisy = [line for line in result.stderr.splitlines() if any(word in line for word in _ALARMING)]
+    assert not noisy, "\n".join(noisy)
     lines = [l for l in result.stdout.strip().splitlines() if not l.startswith("(")]  # Ray's worker log lines
     assert lines[0] == "strategy: ParameterServerStrategy, workers: 2, ps: 1, ps devices: /job:ps/replica:0/task:0/device:CPU:0"
     assert lines[1].endswith(f"global batch 64, mode {mode}")
