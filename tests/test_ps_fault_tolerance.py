@@ -46,8 +46,27 @@ def _join_within(coordinator, seconds=_BOUND_SECONDS):
         raise outcome["error"]
 
 
-@pytest.fixture(scope="module")
+_CLUSTER: list = []  # the module's cluster, shared by its tests; made again after a test killed a ps
+_MADE: list = []  # every cluster made here, shut down at the module's end
+
+
+@pytest.fixture
 def cluster(ray_instance):
+    if not _CLUSTER:
+        _CLUSTER.append(_make_cluster())
+        _MADE.append(_CLUSTER[0])
+    return _CLUSTER[0]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _shutdown_the_cluster():
+    yield
+    _CLUSTER.clear()
+    while _MADE:
+        _MADE.pop()[0]._shutdown()
+
+
+def _make_cluster():
     strategy = distribute.ParameterServerStrategy(num_workers=2, num_ps=2)
     coordinator = ClusterCoordinator(strategy)
     with strategy.scope():
@@ -60,8 +79,7 @@ def cluster(ray_instance):
         iterations.assign_add(1.0)
         return iterations.value, -iterations.value
 
-    yield strategy, coordinator, iterations, w, iterator, train_fn
-    strategy._shutdown()
+    return strategy, coordinator, iterations, w, iterator, train_fn
 
 
 def test_worker_preemption_between_functions(cluster, ray_instance):
@@ -87,7 +105,7 @@ def test_worker_killed_mid_training_every_step_takes_effect(cluster, ray_instanc
     # here exactly once on every variable, even when the kill lands between the pushes to the two ps),
     # the job finishes, the worker comes back with its dataset rebuilt.
     strategy, coordinator, iterations, w, iterator, train_fn = cluster
-    start = float(iterations.numpy())
+    start, w_start = float(iterations.numpy()), w.numpy()
     steps = 300
     recoveries = strategy.extended._cluster.recoveries
     results = [coordinator.schedule(train_fn, args=(iterator,)) for _ in range(steps)]
@@ -97,7 +115,7 @@ def test_worker_killed_mid_training_every_step_takes_effect(cluster, ray_instanc
     _join_within(coordinator)
     done = float(iterations.numpy()) - start
     assert done == steps, done
-    np.testing.assert_allclose(w.numpy(), np.full(4, float(iterations.numpy())))
+    np.testing.assert_allclose(w.numpy() - w_start, np.full(4, done))  # every step once on both ps
     assert all(r.fetch() is not None for r in results)
     deadline = time.monotonic() + _BOUND_SECONDS
     while strategy.extended._cluster.recoveries == recoveries and time.monotonic() < deadline:
@@ -135,6 +153,9 @@ def test_ps_failure_is_raised_by_join_and_cancels(cluster, ray_instance):
     # TF testJoinRaisesUnavailableErrorAtPsFailure / testScheduleRaises...: kill ps 0; the next join
     # raises within seconds an UnavailableError naming the ps; queued closures are cancelled.
     strategy, coordinator, iterations, w, iterator, train_fn = cluster
+    _CLUSTER.remove(cluster)  # the tests after this one (in any order) get a new cluster
+    coordinator.schedule(train_fn, args=(iterator,))  # traced and placed while the ps live (first in any order)
+    _join_within(coordinator)
     kill_actor_and_wait(ray_instance, strategy.extended._cluster.ps[0])
     started = time.monotonic()
     results = [coordinator.schedule(train_fn, args=(iterator,)) for _ in range(50)]
