@@ -7,9 +7,11 @@ Run by every worker of ``python -m distribute.launch --num-workers 2:3 --hosts-c
 Generation 0 (3 workers): worker 1, after step KILL_STEP, makes the hosts file
 list 2 slots, removes BACKUP_DIR (so nothing can be restored from disk) and
 SIGKILLs itself.  Generation 1 (2 workers) restores from the launcher's memory;
-its worker 0, after step GROW_STEP, makes the hosts file list 3 slots, and
-every worker slows down (SLOW_SECONDS a step) until the launcher asks the
-generation to regroup.  Generation 2 (3 workers) restores and finishes.
+its worker 0, after step GROW_STEP (an epoch's last step), makes the hosts
+file list 3 slots, and every worker waits there until the launcher has asked
+the generation to regroup, so the generation stops at the boundary between two
+epochs (after the loop's or fit's epoch-end code).  Generation 2 (3 workers)
+restores and finishes.
 
 Each worker prints ``gen G worker W starts at step S`` and ``gen G worker W
 applied step S`` (S counts completed steps); worker 0 prints ``epoch E loss L``
@@ -29,7 +31,7 @@ import numpy as np
 
 EPOCHS, ROWS, GLOBAL_BATCH = 4, 48, 12
 STEPS_PER_EPOCH = ROWS // GLOBAL_BATCH
-KILL_STEP, GROW_STEP, SLOW_SECONDS = 6, 9, 0.4
+KILL_STEP, GROW_STEP, REGROUP_WAIT_SECONDS = 6, 8, 60
 
 
 def data() -> tuple[np.ndarray, np.ndarray]:
@@ -146,11 +148,17 @@ def _membership_changes(hosts_file: str, backup_dir: str, worker: int):
             shutil.rmtree(backup_dir, ignore_errors=True)
             print(f"gen 0 worker 1 kills itself after step {step}", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
-        if generation == 1 and step >= GROW_STEP:
-            if worker == 0 and step == GROW_STEP:
+        if generation == 1 and step == GROW_STEP:
+            from distribute.runtime import elastic
+
+            if worker == 0:
                 with open(hosts_file, "w") as f:
                     f.write("localhost:3\n")
-            time.sleep(SLOW_SECONDS)  # the launcher polls the hosts command every second
+            deadline = time.monotonic() + REGROUP_WAIT_SECONDS  # the launcher polls the hosts command every second
+            while not elastic.regroup_requested():
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"the launcher did not ask generation 1 to regroup in {REGROUP_WAIT_SECONDS} s")
+                time.sleep(0.05)
 
     return on_step
 

@@ -68,13 +68,15 @@ def _check(mode: str, tmp_path) -> None:
     applied: dict[int, set[int]] = {}
     for g, s in re.findall(r"gen (\d) worker \d applied step (\d+)", output):
         applied.setdefault(int(g), set()).add(int(s))
-    assert starts[0] == 0 and starts[1] >= elastic_job.KILL_STEP - 1 and starts[2] >= elastic_job.GROW_STEP, (starts, tail)
+    assert starts[0] == 0 and starts[1] >= elastic_job.KILL_STEP - 1 and starts[2] == elastic_job.GROW_STEP, (starts, tail)
     for g in (1, 2):
+        # Reported but not kept: the step a peer died in; under fit also the one after it (Keras calls
+        # on_train_batch_end once a step is dispatched, and JAX runs a step ahead of the host's last commit).
         redone = [s for s in applied[g - 1] if s > starts[g]]
-        assert len(redone) <= 1, (g, redone, starts)
-        # Restored from a step the previous generation completed (a regroup stops right after committing a
-        # step, before the program's own line about it).
-        assert starts[g] <= max(applied[g - 1]) + 1, (g, starts)
+        assert len(redone) <= (1 if mode == "loop" else 2), (g, redone, starts)
+        # Restored from a step the previous generation completed and reported (a commit is made before the
+        # next step, after the program's own code for the last one).
+        assert starts[g] <= max(applied[g - 1]), (g, starts)
     assert starts[1] % elastic_job.STEPS_PER_EPOCH != 0  # mid-epoch: the disk backup (epoch ends) was not the source
     assert "restored step %d from the agent's memory" % starts[1] in output, tail
     assert max(applied[2]) == elastic_job.EPOCHS * elastic_job.STEPS_PER_EPOCH

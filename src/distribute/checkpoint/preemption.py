@@ -202,15 +202,13 @@ class PreemptionCheckpointHandler:
         Returns:
             What ``distributed_train_function`` returns.
         """
+        self._at_run_boundary()
         self._check_preemption_and_maybe_checkpoint()
         begin = time.time()
         result = distributed_train_function(*args, **kwargs)
         self._sync.wait_for_run(result)
         self._run_counter += 1
         self._estimated_run_time += (time.time() - begin - self._estimated_run_time) / self._run_counter
-        if self._elastic:  # an elastic launch: this run's state is the one a new generation restores
-            _elastic.commit(self._checkpoint._objects, {"step": self._run_counter})
-            _elastic.at_step_boundary()
         return result
 
     def save_checkpoint_if_preempted(self, *args: Any, **kwargs: Any) -> None:
@@ -219,9 +217,21 @@ class PreemptionCheckpointHandler:
         The alternative to ``run`` for a loop that calls its step function
         itself; each call counts as one run, as in TF.
         """
+        self._at_run_boundary()
         self._check_preemption_and_maybe_checkpoint(*args, **kwargs)
         self._run_counter += 1
         self._estimated_run_time = 0.0
+
+    def _at_run_boundary(self) -> None:
+        """Under an elastic launch: commits the state of ``total_run_calls`` runs, then regroups if asked.
+
+        At the start of a run, as TF's preemption check: the loop's own code
+        after the previous run (a metric read, a variable reset at an epoch's
+        end) is part of the state a new generation restores, and runs once.
+        """
+        if self._elastic:
+            _elastic.commit(self._checkpoint._objects, {"step": self._run_counter})
+            _elastic.at_step_boundary()
 
     @contextlib.contextmanager
     def watch_preemption_scope(self) -> Iterator[None]:

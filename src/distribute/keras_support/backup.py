@@ -75,7 +75,8 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
     def on_train_begin(self, logs: Any = None) -> None:
         self.resumed_step: int | None = None  # the global step an elastic generation restored (None: none)
         self._elastic_resume: tuple[int, int, dict, list] | None = None
-        self._skipping = False
+        self._skip_until = 0  # batches of the current epoch an earlier generation applied (fit reads past them)
+        self._step_logs: dict = {}
         if _elastic.enabled():
             _elastic.ready()
             held = _elastic.restore(self._elastic_objects())
@@ -99,6 +100,7 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
 
     def on_epoch_begin(self, epoch: int, logs: Any = None) -> None:
         super().on_epoch_begin(epoch, logs)
+        self._skip_until = 0
         resume, self._elastic_resume = self._elastic_resume, None
         if resume is None or resume[0] != epoch:
             return
@@ -106,19 +108,19 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
         for variable, value in zip(self._model.metrics_variables, metric_values):  # fit reset them at epoch begin
             variable.assign(value)
         if batches:
-            self._skip(batches, {k: np.asarray(v) for k, v in held_logs.items()})
+            self._step_logs = {k: np.asarray(v) for k, v in held_logs.items()}
+            self._skip(batches, self._step_logs)
 
     def _skip(self, batches: int, held_logs: dict) -> None:
         """The next ``batches`` batches of this epoch were applied by an earlier generation: read past them only."""
         model = self._model
         real = model.train_function
         remaining = [batches]
-        self._skipping = True
+        self._skip_until = batches
 
         def train_function(state: Any, iterator: Any) -> Any:
             if remaining[0] <= 0:
                 model.train_function = real
-                self._skipping = False
                 return real(state, iterator)
             for _ in range(min(max(int(model.steps_per_execution), 1), remaining[0])):
                 next(iterator)
@@ -127,18 +129,27 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
 
         model.train_function = train_function
 
-    def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
-        if self._skipping:
+    def on_train_batch_begin(self, batch: int, logs: Any = None) -> None:
+        """Under an elastic launch: commits the state before this batch, then regroups if the agent asked.
+
+        Before the next step rather than after the last one, so that every
+        callback's batch end and, at an epoch's end, ``on_epoch_end`` (its logs,
+        validation, checkpoints) have run for the committed steps, once.
+        """
+        if batch < self._skip_until or not _elastic.enabled():
             return
-        super().on_train_batch_end(batch, logs)
-        if not _elastic.enabled():
-            return
-        model = self.model  # syncs the step's state into the variables (Keras' JAX trainer keeps it apart)
+        model = self.model  # syncs the steps' state into the variables (Keras' JAX trainer keeps it apart)
         steps = int(self.params.get("steps") or 0)
-        meta = {"step": self._current_epoch * steps + batch + 1, "epoch": int(self._current_epoch), "batch": batch + 1}
+        meta = {"step": self._current_epoch * steps + batch, "epoch": int(self._current_epoch), "batch": batch}
         del model
-        _elastic.commit(self._elastic_objects(), meta, dict(logs or {}))  # no wait for the step's values
+        _elastic.commit(self._elastic_objects(), meta, self._step_logs)  # no wait for the last step's values
         _elastic.at_step_boundary()
+
+    def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
+        if batch < self._skip_until:
+            return  # an earlier generation applied this batch
+        super().on_train_batch_end(batch, logs)
+        self._step_logs = dict(logs or {})
 
     def _load_model(self) -> None:
         model = self.model
