@@ -43,11 +43,22 @@ def one_worker(ray_instance):
     strategy._shutdown()
 
 
+_TWO_WORKERS: list = []  # the module's 2-worker cluster, made again after the test that kills one of its ps
+
+
 @pytest.fixture(scope="module")
-def two_workers(ray_instance):
-    strategy = _partitioned(2)
-    yield strategy, ClusterCoordinator(strategy)
-    strategy._shutdown()
+def _two_workers_cleanup(ray_instance):
+    yield
+    while _TWO_WORKERS:
+        _TWO_WORKERS.pop()[0]._shutdown()
+
+
+@pytest.fixture
+def two_workers(ray_instance, _two_workers_cleanup):
+    if not _TWO_WORKERS:
+        strategy = _partitioned(2)
+        _TWO_WORKERS.append((strategy, ClusterCoordinator(strategy)))
+    return _TWO_WORKERS[0]
 
 
 def _data():
@@ -266,8 +277,12 @@ def test_ps_killed_surfaces_as_unavailable(two_workers, ray_instance):
     for _ in range(20):
         coordinator.schedule(step, args=(iterator,))
     coordinator.join()
-    kill_actor_and_wait(ray_instance, strategy.extended._cluster.ps[1])
-    with pytest.raises(PSUnavailableError, match="parameter server 1"):
-        for _ in range(50):
-            coordinator.schedule(step, args=(iterator,))
-        _join_within(coordinator)
+    _TWO_WORKERS.clear()  # a test after this one makes the cluster again
+    try:
+        kill_actor_and_wait(ray_instance, strategy.extended._cluster.ps[1])
+        with pytest.raises(PSUnavailableError, match="parameter server 1"):
+            for _ in range(50):
+                coordinator.schedule(step, args=(iterator,))
+            _join_within(coordinator)
+    finally:
+        strategy._shutdown()

@@ -269,15 +269,23 @@ def test_exhausted_dataset_is_raised_by_done_and_by_the_next_schedule(two):
         total.assign_add(1)
         return next(iterator)
 
-    for _ in range(6):
-        coordinator.schedule(step, args=(iterator,))
+    results = [coordinator.schedule(step, args=(iterator,)) for _ in range(6)]
     deadline = time.monotonic() + 120
     with pytest.raises(OutOfRangeError, match="exhausted"):
         while not coordinator.done():
             assert time.monotonic() < deadline
             time.sleep(0.01)
     assert coordinator.done()
-    assert int(total.numpy()) == 4  # 2 elements per worker, 2 workers
+    # The first worker to exhaust its 2 elements stops the schedule; the other may not have read both of its own
+    # (its closures are cancelled, as TF's). Each element is read once, and only the steps that got one applied.
+    read = []
+    for result in results:
+        try:
+            read.append(int(result.fetch()))
+        except (OutOfRangeError, CancelledError):
+            pass
+    assert 2 <= len(read) <= 4 and int(total.numpy()) == len(read), (read, total.numpy())
+    assert read.count(0) <= 2 and read.count(1) <= 2 and read.count(1) <= read.count(0), read
 
 
 def test_large_sharded_dense_kernel_one_worker_equals_one_device(one):
