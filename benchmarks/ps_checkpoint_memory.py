@@ -136,7 +136,8 @@ def main(argv=None) -> int:
     late = state["step_seconds"][len(state["step_seconds"]) // 2:]
     print(json.dumps({"rows": args.rows, "dim": args.dim, "table_mb": round(table_mb), "load": os.getloadavg()[0],
                       "step_ms": round(1000 * sum(late) / len(late), 1), "ps_rss_mb": _ps_rss(strategy),
-                      "phases": phases}))
+                      "checkpoint_directory": sorted(os.listdir(directory)),
+                      "tables": sorted(os.listdir(os.path.join(state["path"], "tables"))), "phases": phases}))
     strategy._shutdown()
     return 0
 

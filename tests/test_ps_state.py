@@ -10,9 +10,13 @@ on its own with ``jax.random.fold_in(key, first row)``).
 
 from __future__ import annotations
 
+import json
+import shutil
+
 import jax
 import keras
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 
 import distribute
@@ -132,11 +136,13 @@ def test_checkpoint_tables_are_written_by_their_ps_and_restore_to_3_ps_and_witho
     first = manager.save()
     manager.wait_until_finished()
     assert isinstance(table._value, OnPs)  # the save read nothing whole on the coordinator
-    tables = sorted(p.name for p in tmp_path.iterdir() if ".tables-" in p.name)
-    assert len(tables) == 1 and tables[0].startswith("ckpt-1.tables-")
+    # One directory: the ps wrote their tables inside the orbax checkpoint, committed by orbax's rename.
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-1"]
     # Each ps wrote its shard of the table (and of Adam's two slots) as zarr arrays; the record lists the rows.
-    files = sorted(p.name for p in (tmp_path / tables[0]).iterdir())
+    files = sorted(p.name for p in (tmp_path / "ckpt-1" / "tables").iterdir())
     assert {"model_0_part_0", "model_0_part_1", "optimizer_2_part_0", "optimizer_2_part_1"} <= set(files)
+    orbax_tree = ocp.StandardCheckpointer().restore(first)  # plain orbax reads the rest, tables/ aside
+    assert orbax_tree["optimizer"][0] == saved[3] == 1  # Adam's iterations, held by the coordinator
 
     # Restore into 3 ps (3 shards of 14, 13, 13 rows: another layout than the saved 20 + 20) ...
     three = distribute.ParameterServerStrategy(num_workers=1, num_ps=3,
@@ -153,12 +159,29 @@ def test_checkpoint_tables_are_written_by_their_ps_and_restore_to_3_ps_and_witho
             np.testing.assert_array_equal(got, want)
     finally:
         three._shutdown()
-    # ... and into a model without a strategy (it holds the whole table).
+    # ... and, from a copy of that one directory, into a model without a strategy (it holds the whole table).
+    copy = tmp_path / "copy" / "ckpt-1"
+    shutil.copytree(first, copy)
     plain, plain_optimizer = _table_model(3), keras.optimizers.Adam(0.1)
     plain_optimizer.build(plain.trainable_variables)
-    distribute.Checkpoint(model=plain, optimizer=plain_optimizer).restore(first)
+    distribute.Checkpoint(model=plain, optimizer=plain_optimizer).restore(str(copy))
     for got, want in zip([v.numpy() for v in plain.weights + plain_optimizer.variables], saved):
         np.testing.assert_array_equal(got, want)
+    # A format-2 checkpoint (tables in a sibling <checkpoint>.tables-<ns>) still restores, and is deleted whole.
+    (copy / "tables").rename(copy.parent / "ckpt-1.tables-7")
+    metadata = json.loads((copy / "_CHECKPOINT_METADATA").read_text())
+    metadata["custom_metadata"]["distribute"].update(format=2, tables="ckpt-1.tables-7")
+    (copy / "_CHECKPOINT_METADATA").write_text(json.dumps(metadata))
+    old_model, old_optimizer = _table_model(5), keras.optimizers.Adam(0.1)
+    old_optimizer.build(old_model.trainable_variables)
+    distribute.Checkpoint(model=old_model, optimizer=old_optimizer).restore(str(copy))
+    for got, want in zip([v.numpy() for v in old_model.weights + old_optimizer.variables], saved):
+        np.testing.assert_array_equal(got, want)
+    plain_manager = distribute.CheckpointManager(distribute.Checkpoint(model=plain), str(copy.parent), max_to_keep=1)
+    plain_manager.save(checkpoint_number=2)
+    plain_manager.wait_until_finished()
+    assert sorted(p.name for p in copy.parent.iterdir()) == ["ckpt-2"]
+    shutil.rmtree(copy.parent)
 
     # A Keras file of the ps model: each table is written in row pieces from its ps, never gathered whole.
     def whole_read(*args):
@@ -171,14 +194,22 @@ def test_checkpoint_tables_are_written_by_their_ps_and_restore_to_3_ps_and_witho
     for got, want in zip(loaded.get_weights(), saved):
         np.testing.assert_array_equal(got, want)
 
-    # A ps lost during a save: the save raises, nothing is committed, the previous checkpoint restores as it was.
+    # max_to_keep=1: the next save deletes ckpt-1, tables and all, with its directory.
+    second = manager.save()
+    manager.wait_until_finished()
+    assert manager.checkpoints == [second] and sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-2", "m.keras"]
+
+    # A ps lost during a save: the save raises, nothing is committed (no ckpt-3, no orbax temporary directory
+    # left), the previous checkpoint restores as it was.
     table.assign(np.zeros((40, 4), np.float32))
     ray.kill(strategy.extended._cluster.ps[1], no_restart=True)
     with pytest.raises(PSUnavailableError):
         manager.save()
-    assert manager.latest_checkpoint == first and manager.checkpoints == [first]
-    assert sorted(p.name for p in tmp_path.iterdir() if ".tables-" in p.name) == tables  # the partial one is gone
+    assert manager.latest_checkpoint == second and manager.checkpoints == [second]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-2", "m.keras"]
     fresh, fresh_optimizer = _table_model(4), keras.optimizers.Adam(0.1)
     fresh_optimizer.build(fresh.trainable_variables)
     distribute.Checkpoint(model=fresh, optimizer=fresh_optimizer).restore(manager.latest_checkpoint)
     np.testing.assert_array_equal(fresh.layers[0].embeddings.numpy(), saved[0])
+    for got, want in zip([v.numpy() for v in fresh.weights + fresh_optimizer.variables], saved):
+        np.testing.assert_array_equal(got, want)

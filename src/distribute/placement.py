@@ -74,9 +74,13 @@ class Placement:
         """Whether this process holds no value of the variable (a large ps variable; ``stored`` gathers it)."""
         return False
 
+    def table_parts(self, variable: Any, name: str) -> list:
+        """A remote variable (``remote``): the parts ``[{"file", "start", "stop"}]`` ``save_parts`` writes it as."""
+        raise NotImplementedError(f"variable '{variable.path}' is held here; a checkpoint stores its value")
+
     def save_parts(self, variable: Any, directory: str, name: str) -> list:
         """A remote variable (``remote``): writes it where it lives into ``directory`` (``checkpoint/_tables.py``);
-        returns its parts ``[{"file", "start", "stop"}]``."""
+        returns its parts (``table_parts``)."""
         raise NotImplementedError(f"variable '{variable.path}' is held here; a checkpoint stores its value")
 
     def load_parts(self, variable: Any, table: Any) -> None:

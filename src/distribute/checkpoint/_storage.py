@@ -5,16 +5,22 @@ PyTree ``{object name: [value of variable 0, value of variable 1, ...]}`` of
 NumPy arrays, with this project's record (variable paths, shapes, dtypes,
 ``save_counter``, extra values such as an epoch) in orbax's step metadata
 (``custom_metadata["distribute"]``).  Variables this process holds no value
-of (large ParameterServerStrategy tables) are written by their ps into the
-sibling directory ``<path>.tables-<ns>`` before the orbax save begins
-(``_tables.py``); the record names it.  A user's own orbax code reads it::
+of (large ParameterServerStrategy tables) are written by their ps as zarr
+arrays into the subdirectory ``tables/`` of the same checkpoint
+(``_tables.py``), during orbax's save, inside orbax's temporary directory, so
+orbax's commit commits them with the rest: a checkpoint is one directory to
+copy, list or delete.  A user's own orbax code reads it (``tables/`` is not
+part of the orbax tree)::
 
     orbax.checkpoint.StandardCheckpointer().restore("dir/ckpt-3")
     # {'model': [array(...), ...], 'optimizer': [...]}
 
 Orbax writes into a temporary directory and renames it when every worker has
 finished (atomic commit); a save returns once the values are copied to host
-memory and the bytes are written by a background thread.  A later save,
+memory (and the ps wrote their tables) and the bytes are written by a
+background thread.  Checkpoints of format 2 kept their tables in a sibling
+directory ``<path>.tables-<ns>``; they still restore, and are deleted with
+their checkpoint.  A later save,
 ``wait_until_finished()``, any read in this process (``restore``,
 ``latest_checkpoint``, ``CheckpointManager.checkpoints``) and the end of the
 process wait for it.
@@ -23,6 +29,7 @@ process wait for it.
 from __future__ import annotations
 
 import atexit
+import functools
 import logging
 import os
 import threading
@@ -34,7 +41,8 @@ import numpy as np
 logger = logging.getLogger("distribute")
 
 _RECORD_KEY = "distribute"
-_FORMAT = 2
+_FORMAT = 3  # 3: tables inside the checkpoint (``tables/``); 2: in a sibling ``<path>.tables-<ns>``
+TABLES = "tables"  # the ps' zarr tables, a subdirectory of the checkpoint
 _REMOTE_SCHEMES = ("gs", "s3")
 
 _pending: set[_Writer] = set()  # strong references: a Checkpoint dropped right after save still commits
@@ -95,6 +103,48 @@ def _multiprocessing_options(num_workers: int) -> Any:
     )
 
 
+@functools.cache
+def _with_tables() -> tuple[type, type]:
+    """``(SaveArgs, Handler)``: orbax's StandardSave and StandardCheckpointHandler, plus the ps' tables.
+
+    ``SaveArgs(tree, write_tables=f)``: the handler's save first calls
+    ``f(<orbax's temporary directory>/tables)`` (each ps writes its shards
+    there; blocking, as the rest of the save's blocking part), then saves
+    the tree into the same directory; orbax's commit (the rename) then
+    commits both.  If ``f`` raises (a ps lost), the temporary directory is
+    deleted and nothing is committed.
+    """
+    import dataclasses
+
+    import orbax.checkpoint as ocp
+    from etils import epath
+
+    class Handler(ocp.StandardCheckpointHandler):
+        async def async_save(self, directory: Any, item: Any = None, save_args: Any = None, args: Any = None) -> Any:
+            write_tables = getattr(args, "write_tables", None)
+            if write_tables is not None:
+                try:
+                    tables = epath.Path(directory) / TABLES
+                    tables.mkdir(parents=True, exist_ok=False)
+                    write_tables(str(tables))
+                except BaseException:
+                    epath.Path(directory).rmtree(missing_ok=True)  # orbax's temporary directory, never committed
+                    raise
+            return await super().async_save(directory, item, save_args, args)
+
+    @ocp.args.register_with_handler(Handler, for_save=True)
+    @dataclasses.dataclass
+    class SaveArgs(ocp.args.StandardSave):
+        write_tables: Any = None
+
+    @ocp.args.register_with_handler(Handler, for_restore=True)
+    @dataclasses.dataclass
+    class RestoreArgs(ocp.args.StandardRestore):  # orbax wants both registered; reads use StandardCheckpointHandler
+        pass
+
+    return SaveArgs, Handler
+
+
 class _Writer:
     """One asynchronous orbax writer per Checkpoint object; at most one save in flight."""
 
@@ -102,9 +152,11 @@ class _Writer:
         import orbax.checkpoint as ocp
 
         options = _multiprocessing_options(num_workers)
+        # Orbax's temporary directory exists when the handler's save starts (the ps write into it).
         self._checkpointer = ocp.AsyncCheckpointer(
-            ocp.StandardCheckpointHandler(multiprocessing_options=options),
-            async_options=ocp.options.AsyncOptions(timeout_secs=max(int(timeout_seconds), 1)),
+            _with_tables()[1](multiprocessing_options=options),
+            async_options=ocp.options.AsyncOptions(timeout_secs=max(int(timeout_seconds), 1),
+                                                   create_directories_asynchronously=False),
             multiprocessing_options=options,
         )
         self._in_flight: str | None = None
@@ -115,17 +167,25 @@ class _Writer:
         """Blocks until orbax's background write and commit end, from any thread (errors are the waiter's to report)."""
         self._checkpointer.wait_until_finished()
 
-    def save(self, path: Any, tree: dict, record: dict, on_commit: Any = None) -> None:
-        """Starts writing ``tree`` to ``path`` (replacing a checkpoint already there); returns at once."""
-        import orbax.checkpoint as ocp
+    def save(self, path: Any, tree: dict, record: dict, on_commit: Any = None, write_tables: Any = None) -> None:
+        """Starts writing ``tree`` to ``path`` (replacing a checkpoint already there); returns at once.
 
+        ``write_tables(directory)``: writes the ps' tables into the checkpoint's
+        ``tables/`` (inside orbax's temporary directory) before this returns.
+        """
         self.wait()
         _wait_before_thread_shutdown()
         with _pending_lock:
             _pending.add(self)
         self._in_flight, self._on_commit = str(path), on_commit
-        self._checkpointer.save(path, args=ocp.args.StandardSave(tree), force=True,
-                                custom_metadata={_RECORD_KEY: record})
+        try:
+            self._checkpointer.save(path, args=_with_tables()[0](tree, write_tables=write_tables), force=True,
+                                    custom_metadata={_RECORD_KEY: record})
+        except BaseException:  # nothing in flight: no commit to wait for
+            self._in_flight, self._on_commit = None, None
+            with _pending_lock:
+                _pending.discard(self)
+            raise
 
     def wait(self) -> None:
         """Blocks until the save in flight is committed; re-raises its error."""
@@ -197,21 +257,12 @@ def _wait_before_thread_shutdown() -> None:
             pass
 
 
-def new_tables_dir(path: Any) -> Any:
-    """A new sibling directory for the tables of the checkpoint ``path`` (``_tables.py``): ``<path>.tables-<ns>``."""
-    import time
-
-    tables = path.parent / f"{path.name}.tables-{time.time_ns()}"
-    tables.mkdir(parents=True, exist_ok=False)
-    return tables
-
-
-def delete_tables(path: Any, keep: str | None = None) -> None:
-    """Deletes the tables directories of the checkpoint ``path`` (all but ``keep``, a directory name)."""
+def delete_sibling_tables(path: Any) -> None:
+    """Deletes the tables directories ``<path>.tables-<ns>`` a format-2 checkpoint ``path`` kept beside it."""
     if not path.parent.is_dir():
         return
     for child in path.parent.iterdir():
-        if child.name.startswith(f"{path.name}.tables-") and child.name != keep:
+        if child.name.startswith(f"{path.name}.tables-"):
             child.rmtree(missing_ok=True)
 
 
@@ -264,7 +315,9 @@ def read(path: Any, num_workers: int) -> tuple[dict, dict[str, list[np.ndarray]]
         ) from err
     from distribute.checkpoint._tables import TableRef
 
-    tables = str(path.parent / record["tables"]) if record.get("tables") else None
+    tables = None
+    if record.get("tables"):  # format 2: a sibling directory; 3: inside the checkpoint
+        tables = str((path if record.get("format", 2) >= 3 else path.parent) / record["tables"])
     arrays: dict[str, list[np.ndarray]] = {}
     for name, entries in _by_object(record).items():
         values = iter(stored.get(name, []))

@@ -5,10 +5,13 @@ variable, ``Placement.remote``) is not part of the orbax tree: each ps writes
 the rows it holds, one zarr array per shard (``<tables dir>/<file>``, written
 with tensorstore in chunks of about :data:`CHUNK_BYTES`), and the checkpoint's
 record lists, per variable, its parts ``{"file", "start", "stop"}`` (rows of
-axis 0).  The tables directory is a sibling of the orbax directory,
-``<checkpoint>.tables-<time>``, written completely before the orbax save
-begins, so the orbax commit commits both; a save that fails first (a ps lost)
-leaves the previous checkpoint as it was.
+axis 0).  The tables directory is ``tables/`` inside the checkpoint's own
+orbax directory: the ps write it during orbax's save, into orbax's temporary
+directory (``_storage._with_tables``), so orbax's commit (the rename) commits
+the tables with the rest and a checkpoint is one directory; a save that fails
+there (a ps lost) deletes the temporary directory and commits nothing, leaving
+the previous checkpoint as it was.  Checkpoints of format 2 kept the tables in
+a sibling ``<checkpoint>.tables-<time>``; they still restore.
 
 A restore reads any rows from the parts (:func:`read_rows`): each ps its own
 shards, for any number of ps or shards, or the whole value into a variable

@@ -28,15 +28,27 @@ def _agreed_path(strategy: Any, path: str) -> str:
     return chief
 
 
-def _after_commit(location: Any, tables: Any, on_commit: Any) -> Any:
-    """After a save committed: the tables of the checkpoint it replaced are deleted, then ``on_commit``."""
+def _after_commit(location: Any, on_commit: Any) -> Any:
+    """After a save committed: the sibling tables of a format-2 checkpoint it replaced are deleted, then ``on_commit``."""
 
     def committed() -> None:
-        _storage.delete_tables(location, keep=None if tables is None else tables.name)
+        _storage.delete_sibling_tables(location)
         if on_commit is not None:
             on_commit()
 
     return committed
+
+
+def _table_writer(tables: list) -> Any:
+    """``write(directory)``: each ps writes its shards of the ``(placement, variable, name)`` tables there."""
+    if not tables:
+        return None
+
+    def write(directory: str) -> None:
+        for placement, variable, name in tables:
+            placement.save_parts(variable, directory, name)
+
+    return write
 
 
 def _runtime_of(strategy: Any) -> Any:
@@ -235,37 +247,29 @@ class Checkpoint:
         location = _storage.checkpoint_path(path)
         tree: dict[str, list] = {}
         entries: list = []
-        tables = None
-        try:
-            for name, obj in self._objects.items():
-                tree[name] = []
-                for index, variable in enumerate(_state.variables_of(name, obj)):
-                    placement = variable.__dict__.get("_distribute_placement")
-                    if placement is not None and placement.remote(variable):
-                        # Held by its ps only (a large ParameterServerStrategy table): each ps writes its shards.
-                        if tables is None:
-                            self.wait_until_finished()
-                            tables = _storage.new_tables_dir(location)
-                        parts = placement.save_parts(variable, str(tables), f"{name}_{index}")
-                        entries.append({"object": name, "index": index, "path": variable.path,
-                                        "shape": list(variable.shape), "dtype": np.dtype(variable.dtype).name,
-                                        "empty": False, "table": parts})
-                        continue
-                    value = _state.saved_value(variable)
-                    empty = value.size == 0  # orbax cannot store zero-size arrays; the record has the shape
-                    if not empty:
-                        tree[name].append(value)
-                    entries.append({"object": name, "index": index, "path": variable.path, "shape": list(value.shape),
-                                    "dtype": value.dtype.name, "empty": empty})
-        except BaseException:
-            if tables is not None:  # nothing was committed: the previous checkpoint stays as it was
-                tables.rmtree(missing_ok=True)
-            raise
+        tables: list = []  # (placement, variable, name): written by their ps into the checkpoint, during the save
+        for name, obj in self._objects.items():
+            tree[name] = []
+            for index, variable in enumerate(_state.variables_of(name, obj)):
+                placement = variable.__dict__.get("_distribute_placement")
+                if placement is not None and placement.remote(variable):
+                    # Held by its ps only (a large ParameterServerStrategy table): each ps writes its shards.
+                    tables.append((placement, variable, f"{name}_{index}"))
+                    entries.append({"object": name, "index": index, "path": variable.path,
+                                    "shape": list(variable.shape), "dtype": np.dtype(variable.dtype).name,
+                                    "empty": False, "table": placement.table_parts(variable, f"{name}_{index}")})
+                    continue
+                value = _state.saved_value(variable)
+                empty = value.size == 0  # orbax cannot store zero-size arrays; the record has the shape
+                if not empty:
+                    tree[name].append(value)
+                entries.append({"object": name, "index": index, "path": variable.path, "shape": list(value.shape),
+                                "dtype": value.dtype.name, "empty": empty})
         record = {"format": _storage._FORMAT, "save_counter": self.save_counter, "variables": entries, "extra": extra,
-                  "tables": None if tables is None else tables.name}
+                  "tables": _storage.TABLES if tables else None}
         if self._writer is None:
             self._writer = _storage._Writer(_num_workers(strategy), _timeout_seconds(strategy))
-        self._writer.save(location, tree, record, _after_commit(location, tables, on_commit))
+        self._writer.save(location, tree, record, _after_commit(location, on_commit), _table_writer(tables))
         return path
 
     def wait_until_finished(self) -> None:

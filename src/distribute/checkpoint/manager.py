@@ -104,7 +104,7 @@ class CheckpointManager:
             return
         for _, old in numbered[: -self._max_to_keep]:
             _storage.checkpoint_path(old).rmtree(missing_ok=True)
-            _storage.delete_tables(_storage.checkpoint_path(old))
+            _storage.delete_sibling_tables(_storage.checkpoint_path(old))  # a format-2 checkpoint's tables
 
     @property
     def checkpoints(self) -> list[str]:

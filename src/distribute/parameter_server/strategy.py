@@ -67,6 +67,9 @@ class _OnParameterServer(Placement):
     def remote(self, variable: Any) -> bool:
         return isinstance(variable._value, OnPs)
 
+    def table_parts(self, variable: Any, name: str) -> list:
+        return self._extended._table_parts(variable, name)
+
     def save_parts(self, variable: Any, directory: str, name: str) -> list:
         return self._extended._save_parts(variable, directory, name)
 
@@ -169,12 +172,16 @@ class ParameterServerStrategyExtended(StrategyExtended):
         """The whole value of a remote variable, read from its ps (kept by the caller only)."""
         return transfer.gather(self._cluster, self._registry.entry(var))
 
+    def _table_parts(self, var: Any, name: str) -> list:
+        """The parts ``var`` is saved as: one zarr array per shard, ``{"file", "start", "stop"}`` (rows)."""
+        rows = int(tuple(var.shape)[0])
+        return [{"file": f"{name}_part_{i}", "start": s.start or 0, "stop": rows if s.stop is None else s.stop}
+                for i, s in enumerate(self._registry.entry(var).shards)]
+
     def _save_parts(self, var: Any, directory: str, name: str) -> list:
         """Each ps writes its shards of ``var`` into ``directory`` (a checkpoint's tables); returns the parts."""
         entry = self._registry.entry(var)
-        rows = int(tuple(var.shape)[0])
-        parts = [{"file": f"{name}_part_{i}", "start": s.start or 0, "stop": rows if s.stop is None else s.stop}
-                 for i, s in enumerate(entry.shards)]
+        parts = self._table_parts(var, name)
         refs = [self._cluster.ps[s.ps].save_table.remote(s.key, f"{directory}/{part['file']}")
                 for s, part in zip(entry.shards, parts)]
         try:
