@@ -3,10 +3,12 @@
 A ``(rows, dim)`` float32 ``Embedding`` table in ``ParameterServerStrategy(num_ps=2,
 MinSizePartitioner(256 KiB, max_shards=2))`` (two shards, one per ps), trained
 ``--steps`` steps with SGD (rows read and updated by the ps), then
-``distribute.Checkpoint(model=...).write()`` and ``restore()``.  A thread samples
-this process's resident memory (RSS) every 5 ms; reported per phase: the peak
-above the RSS before the phase, in MB and in table sizes; at the end each ps's
-RSS and the mean step time of the last half of the steps.
+``distribute.Checkpoint(model=...).write()`` and ``restore()``, then a restore into a
+new cluster of ``--restore-ps`` ps (4,096 sampled rows compared with the first
+cluster's).  A thread samples this process's resident memory (RSS) every 5 ms;
+reported per phase: the peak above the RSS before the phase, in MB and in table
+sizes; at the end each ps's and the worker's RSS (the worker's also right after the
+model was made) and the mean step time of the last half of the steps.
 
 Usage::
 
@@ -51,15 +53,15 @@ class _Peak:
         return max(self.peak, _rss_mb())
 
 
-def _ps_rss(strategy) -> list:
-    """Each ps actor's RSS (MB), read from /proc by the actor itself."""
+def _actor_rss(strategy, kind: str = "ps") -> list:
+    """The RSS (MB) of each ``kind`` ("ps" or "workers") actor, read from /proc by the actor itself."""
     import ray
 
     def rss(actor):
         with open("/proc/self/status") as f:
             return next(int(line.split()[1]) // 1024 for line in f if line.startswith("VmRSS:"))
 
-    return ray.get([ps.__ray_call__.remote(rss) for ps in strategy.extended._cluster.ps])
+    return ray.get([actor.__ray_call__.remote(rss) for actor in getattr(strategy.extended._cluster, kind)])
 
 
 def main(argv=None) -> int:
@@ -68,6 +70,8 @@ def main(argv=None) -> int:
     parser.add_argument("--dim", type=int, default=32)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--dir", default=None, help="checkpoint directory (default: a temporary one)")
+    parser.add_argument("--restore-ps", type=int, default=3,
+                        help="also restore into a new cluster with this many ps and compare rows (0: skip)")
     args = parser.parse_args(argv)
     import keras
     import numpy as np
@@ -96,12 +100,15 @@ def main(argv=None) -> int:
 
     state: dict = {}
 
+    def build():
+        return keras.Sequential([keras.Input((4,), dtype="int32"), keras.layers.Embedding(args.rows, args.dim),
+                                 keras.layers.Flatten(), keras.layers.Dense(1)])
+
     def create():
         with strategy.scope():
-            model = keras.Sequential([keras.Input((4,), dtype="int32"), keras.layers.Embedding(args.rows, args.dim),
-                                      keras.layers.Flatten(), keras.layers.Dense(1)])
+            model = build()
             optimizer = keras.optimizers.SGD(0.1)
-        state.update(model=model, optimizer=optimizer)
+        state.update(model=model, optimizer=optimizer, worker_rss_after_create_mb=_actor_rss(strategy, "workers"))
 
     def train():
         model, optimizer = state["model"], state["optimizer"]
@@ -129,13 +136,39 @@ def main(argv=None) -> int:
     def restore():
         distribute.Checkpoint(model=state["model"]).restore(state["path"])
 
+    def sample_rows(on_coordinator, model):
+        ids = np.random.default_rng(1).integers(0, args.rows, size=4096).astype(np.int32)
+        table = model.layers[0].embeddings
+        return np.asarray(on_coordinator.schedule(lambda i: keras.ops.take(table, i, axis=0), args=(ids,)).fetch())
+
+    def restore_elsewhere():
+        other = distribute.ParameterServerStrategy(
+            num_workers=1, num_ps=args.restore_ps,
+            variable_partitioner=distribute.experimental.partitioners.MinSizePartitioner(
+                min_shard_bytes=256 << 10, max_shards=args.restore_ps))
+        other_coordinator = ClusterCoordinator(other)
+        with other.scope():
+            model = build()
+        distribute.Checkpoint(model=model).restore(state["path"])
+        want = sample_rows(coordinator, state["model"])
+        got = sample_rows(other_coordinator, model)
+        state["restore_elsewhere"] = {"ps": args.restore_ps, "rows_compared": len(want),
+                                      "equal": bool(np.array_equal(want, got)),
+                                      "shards": [list(s.shape) for s in getattr(model.layers[0].embeddings, "variables", [])]}
+        other._shutdown()
+
     phase("create the model in scope", create)
     phase(f"{args.steps} steps + join", train)
     phase("checkpoint write", save)
     phase("checkpoint restore", restore)
+    if args.restore_ps:
+        phase(f"checkpoint restore into {args.restore_ps} ps", restore_elsewhere)
     late = state["step_seconds"][len(state["step_seconds"]) // 2:]
     print(json.dumps({"rows": args.rows, "dim": args.dim, "table_mb": round(table_mb), "load": os.getloadavg()[0],
-                      "step_ms": round(1000 * sum(late) / len(late), 1), "ps_rss_mb": _ps_rss(strategy),
+                      "step_ms": round(1000 * sum(late) / len(late), 1), "ps_rss_mb": _actor_rss(strategy),
+                      "worker_rss_after_create_mb": state["worker_rss_after_create_mb"],
+                      "worker_rss_end_mb": _actor_rss(strategy, "workers"),
+                      "restore_elsewhere": state.get("restore_elsewhere"),
                       "checkpoint_directory": sorted(os.listdir(directory)),
                       "tables": sorted(os.listdir(os.path.join(state["path"], "tables"))), "phases": phases}))
     strategy._shutdown()
