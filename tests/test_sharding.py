@@ -371,9 +371,9 @@ def test_checkpoint_saves_slices_and_restores_across_levels_and_replica_counts(t
     written = {}
     save = _storage._Writer.save
 
-    def spy(self, path, tree, record, on_commit=None):
+    def spy(self, path, tree, record, *args, **kwargs):
         written.update(tree)
-        return save(self, path, tree, record, on_commit)
+        return save(self, path, tree, record, *args, **kwargs)
 
     monkeypatch.setattr(_storage._Writer, "save", spy)
     path = distribute.Checkpoint(model=model, optimizer=model.optimizer).save(tmp_path / "ckpt")
