@@ -95,6 +95,9 @@ def _handler(store: StateStore) -> type:
             body = self.rfile.read(length) if length else b""
             url = urllib.parse.urlparse(self.path)
             if url.path == "/state":
+                if len(body) != length:  # the sender ended mid-message (killed while handing off): keep the last whole one
+                    self._reply(400, f"truncated state message: {len(body)} of {length} bytes".encode())
+                    return
                 try:
                     store.put(body)
                 except (ValueError, struct.error, KeyError) as err:
