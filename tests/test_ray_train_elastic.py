@@ -53,11 +53,6 @@ TENANT = "distribute-test-tenant"
 
 # -- the Ray Train workers --------------------------------------------------------------------------------------
 def train_loop(config: dict) -> None:
-    import distribute
-    from distribute.multi_worker import CommunicationOptions
-
-    strategy = distribute.MultiWorkerMirroredStrategy(communication_options=CommunicationOptions(timeout_seconds=20))
-    import keras
     import ray.train
 
     context = ray.train.get_context()
@@ -69,6 +64,14 @@ def train_loop(config: dict) -> None:
         with open(out / f"events-{os.getpid()}.txt", "a") as f:
             f.write(json.dumps({"event": event, "generation": generation, "rank": rank, "size": size,
                                 "time": time.time(), **fields}) + "\n")
+
+    say("enter")
+    import distribute
+    from distribute.multi_worker import CommunicationOptions
+
+    strategy = distribute.MultiWorkerMirroredStrategy(communication_options=CommunicationOptions(timeout_seconds=20))
+    say("joined")
+    import keras
 
     def wait_for(what: str, done=lambda: False) -> None:
         deadline = time.monotonic() + WAIT_SECONDS
@@ -210,7 +213,8 @@ class _Tenant:
 
 
 def _events(out: pathlib.Path) -> list[dict]:
-    return [json.loads(line) for path in sorted(out.glob("events-*.txt")) for line in path.read_text().splitlines()]
+    events = [json.loads(line) for path in out.glob("events-*.txt") for line in path.read_text().splitlines()]
+    return sorted(events, key=lambda e: e["time"])
 
 
 def _wait_for_file(path: pathlib.Path, fit: threading.Thread, seconds: float) -> str:
@@ -268,7 +272,7 @@ def test_jax_trainer_shrinks_after_a_sigkill_and_grows_back_from_memory(ray_inst
         tenant.close()
     timings["end"] = time.time() - begin
     for event in _events(out):  # where the time goes: each group's start (fit restored) and first step
-        if event["rank"] == 0 and event["event"] in ("start", "applied"):
+        if event["rank"] == 0 and event["event"] in ("enter", "joined", "start", "applied"):
             timings.setdefault(f"group {event['generation']} {event['event']}", round(event["time"] - begin, 1))
     print("seconds from JaxTrainer.fit:", {k: round(v, 1) for k, v in sorted(timings.items(), key=lambda kv: kv[1])})
     assert not fit.is_alive(), f"JaxTrainer.fit did not end within {FIT_TIMEOUT_SECONDS} s"
