@@ -254,8 +254,13 @@ def stop_for_regroup() -> None:
     os._exit(exits.EXIT_WORKER_LOST)
 
 
+# A lost peer: the newest commit may belong to a step blocked in a collective with it (the watchdog names the
+# peer before any collective fails); reading it would block, so it is passed over after this long.
+LOST_PEER_WAIT_SECONDS = 2.0
+
+
 def _hand_off_for_lost_peer() -> None:
-    hand_off("a peer was lost")
+    hand_off("a peer was lost", wait_seconds=LOST_PEER_WAIT_SECONDS)
 
 
 exits.BEFORE_LOST_EXIT.append(_hand_off_for_lost_peer)
