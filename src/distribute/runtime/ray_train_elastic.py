@@ -92,7 +92,8 @@ class RayTrainElasticState(ControllerCallback, WorkerGroupCallback, WorkerCallba
     ``ScalingConfig(num_workers=(min, max))``) hands the newest step its workers
     completed to a Ray actor of the run, and the next group, of any size,
     restores it in ``BackupAndRestore`` / ``PreemptionCheckpointHandler``
-    instead of reading the backup: at most the step in flight is computed again.
+    instead of reading the backup: only the steps after the handed-over one
+    (those in flight when the group stopped) are computed again.
     Without the callback a new group resumes from the last backup on disk.
 
     Args:
