@@ -45,7 +45,7 @@ sys.path.insert(0, str(HERE.parent))
 import elastic_job  # noqa: E402
 
 STEPS, KILL_STEP, GROW_STEP = elastic_job.STEPS_PER_EPOCH, elastic_job.KILL_STEP, elastic_job.GROW_STEP
-CPU_PER_WORKER = 0.5
+CPU_PER_WORKER = 0.25  # Ray does not enforce it; small, so that 3 fit beside whatever else the suite runs
 WAIT_SECONDS = 120  # a worker waiting for the test (the kill) or for Ray Train (the resize) gives up after this
 FIT_TIMEOUT_SECONDS = 300
 TENANT = "distribute-test-tenant"
@@ -247,7 +247,7 @@ def test_jax_trainer_shrinks_after_a_sigkill_and_grows_back_from_memory(ray_inst
     out, backup = tmp_path / "out", tmp_path / "backup"
     out.mkdir()
     tenant = _Tenant()
-    assert tenant.total >= 3 * CPU_PER_WORKER, f"the suite's Ray has {tenant.total} CPUs; 3 workers need 1.5"
+    assert tenant.total >= 3 * CPU_PER_WORKER, f"the suite's Ray has {tenant.total} CPUs; 3 workers need {3 * CPU_PER_WORKER}"
     monkeypatch.setenv("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")  # the driver's value reaches the controller
     monkeypatch.setenv("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")  # node drains: not tested; one process less per group
     path = os.pathsep.join([str(HERE.parents[1] / "src"), str(HERE.parent)])
@@ -296,7 +296,6 @@ def test_jax_trainer_shrinks_after_a_sigkill_and_grows_back_from_memory(ray_inst
     assert [(s["size"], s["from_memory"]) for s in starts] == [(3, False), (2, True), (3, True)], starts
     generations = [s["generation"] for s in starts]
     assert generations == sorted(generations)
-    # Group 2 restored the survivors' commit: mid-epoch (no disk backup is there), at most one step redone.
     applied = {g: {e["step"] for e in events if e["event"] == "applied" and e["generation"] == g} for g in generations}
     second, third = starts[1]["step"], starts[2]["step"]
     # Group 2 restored the survivors' commit of the last step every worker completed, mid-epoch (the backup
@@ -308,9 +307,10 @@ def test_jax_trainer_shrinks_after_a_sigkill_and_grows_back_from_memory(ray_inst
     # Group 3 restored the commit group 2 made before the step it waited at: nothing redone.
     assert third == GROW_STEP and max(applied[generations[1]]) == GROW_STEP, (starts, applied)
     assert max(applied[generations[2]]) == elastic_job.EPOCHS * STEPS
-    # Every worker of a group started at the same step.
-    for g in generations:
-        assert len({e["step"] for e in events if e["event"] == "start" and e["generation"] == g}) == 1
+    # Every worker of a group started, at the same step.
+    group_starts = [[e for e in events if e["event"] == "start" and e["generation"] == g] for g in generations]
+    assert [sorted(e["rank"] for e in group) for group in group_starts] == [[0, 1, 2], [0, 1], [0, 1, 2]]
+    assert [len({e["step"] for e in group}) for group in group_starts] == [1, 1, 1]
     # The result: the uninterrupted 3-replica run's weights and per-epoch losses, each epoch logged once.
     with np.load(out / "weights.npz") as got:
         for i, want in enumerate(weights):
