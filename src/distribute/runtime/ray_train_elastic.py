@@ -126,10 +126,11 @@ class RayTrainElasticState(ControllerCallback, WorkerGroupCallback, WorkerCallba
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
         actor = ray.remote(num_cpus=0)(_Store).options(name=store_name(train_run_context.run_id), get_if_exists=True,
                                                       scheduling_strategy=here)
-        self._store = actor.remote()
-        self.address = ray.get(self._store.address.remote())
+        self._store = actor.remote()  # its process starts while the controller decides the first group's size
 
     def before_worker_group_start(self, worker_group_context: Any) -> None:
+        if self.address is None and self._store is not None:
+            self.address = ray.get(self._store.address.remote())
         self.generation += 1
 
     def after_controller_finish(self, result: Any) -> None:
