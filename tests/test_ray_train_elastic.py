@@ -262,6 +262,10 @@ def test_jax_trainer_shrinks_after_a_sigkill_and_grows_back_from_memory(ray_inst
         run_config=RunConfig(name="distribute-elastic-test", storage_path=str(tmp_path / "ray_results"),
                              failure_config=FailureConfig(max_failures=1), worker_runtime_env={"env_vars": env},
                              callbacks=[distribute.experimental.RayTrainElasticState()]))
+    def stores():
+        return [a for a in ray_instance.util.list_named_actors(all_namespaces=True)
+                if a["name"].startswith("distribute-elastic-")]
+
     result: dict = {}
     begin = time.time()
     fit = threading.Thread(target=lambda: result.update(value=trainer.fit()), daemon=True)
@@ -273,6 +277,7 @@ def test_jax_trainer_shrinks_after_a_sigkill_and_grows_back_from_memory(ray_inst
         timings["reference"] = time.time() - begin
         pid = int(_wait_for_file(out / "kill", fit, FIT_TIMEOUT_SECONDS))
         timings["kill"] = time.time() - begin
+        assert len(stores()) == 1, stores()  # the run's store actor, started by its controller
         tenant.leave(1)  # below MIN: no resize of the healthy group, and no restart at 3 from an old answer
         time.sleep(1.5)  # the policy asks the coordinator at most once a second
         os.kill(pid, signal.SIGKILL)
@@ -290,6 +295,10 @@ def test_jax_trainer_shrinks_after_a_sigkill_and_grows_back_from_memory(ray_inst
     print("seconds from JaxTrainer.fit:", {k: round(v, 1) for k, v in sorted(timings.items(), key=lambda kv: kv[1])})
     assert not fit.is_alive(), f"JaxTrainer.fit did not end within {FIT_TIMEOUT_SECONDS} s"
     assert result["value"].error is None, result["value"].error
+    deadline = time.monotonic() + 30  # the run's store ends with the run
+    while stores():
+        assert time.monotonic() < deadline, stores()
+        time.sleep(0.1)
 
     events = _events(out)
     starts = [e for e in events if e["event"] == "start" and e["rank"] == 0]
