@@ -17,6 +17,7 @@ _EXPORTS = {
     "Sharding": "distribute.sharding",
     "PreemptionCheckpointHandler": "distribute.checkpoint.preemption",
     "TerminationConfig": "distribute.checkpoint.preemption",
+    "RayTrainElasticState": "distribute.runtime.ray_train_elastic",  # beyond TF; imports Ray
 }
 _ALIASES = {"CollectiveCommunication": "CommunicationImplementation"}
 _SUBMODULES = {"partitioners": "distribute.parameter_server.partitioners", "coordinator": "distribute.coordinator"}

@@ -15,7 +15,10 @@ and every worker is task ``("worker", world_rank)`` of a cluster of
 
 After a failure Ray Train starts a new worker group (``FailureConfig``); its
 workers resolve again, so the new group gets a new coordinator port and may
-have another size (``ScalingConfig(num_workers=(min, max))``).
+have another size (``ScalingConfig(num_workers=(min, max))``).  With
+``distribute.experimental.RayTrainElasticState`` in the run's callbacks, the new
+group restores the training state the old one's workers held in memory
+(``runtime/ray_train_elastic.py``), not the last backup.
 
 Ray is imported only when this resolver is built, never by ``in_ray_train_worker``.
 """

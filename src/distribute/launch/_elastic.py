@@ -3,7 +3,7 @@
 Generation g starts k workers (MIN <= k <= MAX; k = the slots the hosts command
 lists, or MAX without one) with a fresh TF_CONFIG of k workers on fresh ports,
 ``DISTRIBUTE_ELASTIC_GENERATION=g`` and ``DISTRIBUTE_ELASTIC_AGENT`` (this
-process's in-memory store, ``_agent.py``).  When a worker is lost, the survivors
+process's in-memory store, ``runtime/elastic_store.py``).  When a worker is lost, the survivors
 hand their committed state to the store and exit 75; the agent starts the next
 generation with the slots available then, which restores that state.  When the
 hosts command lists more slots than the generation has (and it is below MAX),
@@ -28,7 +28,7 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 
-from distribute.launch._agent import StateStore
+from distribute.runtime.elastic_store import StateStore
 from distribute.launch._spares import Spare, program_of
 from distribute.launch._tasks import (
     EXIT_TIMEOUT,

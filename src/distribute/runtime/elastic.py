@@ -2,7 +2,7 @@
 
 The launcher is the elastic agent: it runs generations of workers and keeps,
 in its own memory, the newest committed state a worker handed to it (see
-``distribute/launch/_agent.py``).  A worker of an elastic launch finds the
+``distribute/runtime/elastic_store.py``).  A worker of an elastic launch finds the
 agent's loopback address in ``DISTRIBUTE_ELASTIC_AGENT`` and its generation in
 ``DISTRIBUTE_ELASTIC_GENERATION``.
 
@@ -19,6 +19,13 @@ What a worker does here:
 - ``fetch()``: the state the agent holds (the newest step handed over by any
   worker of an earlier generation), restored by the next generation at any
   size instead of a checkpoint from disk.
+
+Under Ray Train (``DISTRIBUTE_ELASTIC_SCHEDULER=ray-train``, set with the two
+others by ``distribute.experimental.RayTrainElasticState`` in each worker) the
+agent is a Ray actor of the training run and Ray Train's controller decides
+when a worker group stops (a lost worker, or a resize): the workers hand off
+when the controller stops them (that callback's ``before_worker_shutdown``),
+and no regroup signal is used.
 
 Standard library and numpy only.
 """
@@ -44,6 +51,8 @@ logger = logging.getLogger("distribute")
 
 AGENT_ENV = "DISTRIBUTE_ELASTIC_AGENT"
 GENERATION_ENV = "DISTRIBUTE_ELASTIC_GENERATION"
+SCHEDULER_ENV = "DISTRIBUTE_ELASTIC_SCHEDULER"  # "launch" (the default) or "ray-train"
+RAY_TRAIN = "ray-train"
 REGROUP_SIGNAL = signal.SIGUSR1
 _HTTP_TIMEOUT_SECONDS = 30.0
 
@@ -51,6 +60,11 @@ _HTTP_TIMEOUT_SECONDS = 30.0
 def agent_address() -> str | None:
     """``host:port`` of the elastic agent (the launcher), or None outside an elastic launch."""
     return os.environ.get(AGENT_ENV) or None
+
+
+def scheduler() -> str:
+    """Who starts the generations: ``"launch"`` (``python -m distribute.launch``) or ``"ray-train"``."""
+    return os.environ.get(SCHEDULER_ENV) or "launch"
 
 
 def generation() -> int:
@@ -87,7 +101,7 @@ def decode(body: bytes) -> tuple[dict, list[np.ndarray]]:
 
 def _request(method: str, path: str, pieces: list | None = None) -> tuple[int, bytes]:
     host, port = agent_address().rsplit(":", 1)  # type: ignore[union-attr]
-    connection = http.client.HTTPConnection(host, int(port), timeout=_HTTP_TIMEOUT_SECONDS)
+    connection = http.client.HTTPConnection(host.strip("[]"), int(port), timeout=_HTTP_TIMEOUT_SECONDS)
     try:
         length = sum(len(p) for p in pieces) if pieces else 0
         connection.putrequest(method, path)
@@ -135,12 +149,15 @@ def committed() -> tuple[dict, list[np.ndarray]] | None:
     return decode(b"".join(bytes(piece) for piece in encode(*state)))
 
 
-def hand_off(reason: str) -> bool:
+def hand_off(reason: str, wait_seconds: float | None = None) -> bool:
     """Sends the committed state to the agent (once per process); True when the agent has it.
 
     The newest commits may hold device values of a step that never completed (a
     peer died inside it, and the step was dispatched without waiting): reading
-    one then fails, and the one before it is handed over instead.
+    one then fails, and the one before it is handed over instead.  With
+    ``wait_seconds``, a commit whose values are not computed within that time
+    (a step still blocked in a collective) is passed over the same way; the one
+    before it is always complete.
     """
     if agent_address() is None:
         return False
@@ -148,7 +165,11 @@ def hand_off(reason: str) -> bool:
         if _Commit.handed_off:
             return True
         begin = time.monotonic()
-        for state in reversed(_Commit.states):
+        for state in reversed(list(_Commit.states)):
+            if wait_seconds is not None and not _computed_within(state[1], begin + wait_seconds):
+                logger.warning("elastic: the commit of step %s is still computing after %g s; handing over the one "
+                               "before", state[0].get("step"), wait_seconds)
+                continue
             try:
                 pieces = encode(*state)
             except Exception as err:  # noqa: BLE001 - the step's values failed with the lost peer
@@ -165,6 +186,21 @@ def hand_off(reason: str) -> bool:
                            state[0].get("step"), time.monotonic() - begin)
             return _Commit.handed_off
         return False
+
+
+def _computed_within(arrays: list, deadline: float) -> bool:
+    """Whether every device value of ``arrays`` is computed (or failed) by ``deadline`` (a monotonic time)."""
+    pending = [a for a in arrays if callable(getattr(a, "is_ready", None))]
+    while True:
+        try:
+            pending = [a for a in pending if not a.is_ready()]
+        except Exception:  # noqa: BLE001 - a failed value: reading it says so, and the one before is taken
+            return True
+        if not pending:
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.01)
 
 
 def fetch() -> tuple[dict, list[np.ndarray]] | None:
@@ -193,8 +229,8 @@ def ready() -> None:
     Installs the SIGUSR1 handler first; before that, the agent never asks this
     generation to grow (SIGUSR1 would end a process without the handler).
     """
-    if agent_address() is None or _READY.is_set():
-        return
+    if agent_address() is None or _READY.is_set() or scheduler() == RAY_TRAIN:
+        return  # under Ray Train the controller stops a generation; no signal (the training runs in a thread)
     if threading.current_thread() is not threading.main_thread():
         raise RuntimeError("elastic training state must be set up in the main thread (it installs a signal handler).")
     signal.signal(REGROUP_SIGNAL, _on_regroup_signal)
@@ -218,8 +254,13 @@ def stop_for_regroup() -> None:
     os._exit(exits.EXIT_WORKER_LOST)
 
 
+# A lost peer: the newest commit may belong to a step blocked in a collective with it (the watchdog names the
+# peer before any collective fails); reading it would block, so it is passed over after this long.
+LOST_PEER_WAIT_SECONDS = 2.0
+
+
 def _hand_off_for_lost_peer() -> None:
-    hand_off("a peer was lost")
+    hand_off("a peer was lost", wait_seconds=LOST_PEER_WAIT_SECONDS)
 
 
 exits.BEFORE_LOST_EXIT.append(_hand_off_for_lost_peer)

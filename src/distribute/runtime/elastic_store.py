@@ -1,6 +1,9 @@
-"""The elastic agent's in-memory store: a loopback HTTP server in the launcher process.
+"""The elastic agent's in-memory store: an HTTP server in the launcher process, or in a Ray actor under Ray Train.
 
-Workers of an elastic launch hand their committed state (``runtime/elastic.py``'s
+The launcher (``--num-workers MIN:MAX``) serves it on 127.0.0.1 in its own
+process; under Ray Train, ``distribute.experimental.RayTrainElasticState``
+serves it from a Ray actor of the training run, on that actor's node address.
+Workers of an elastic job hand their committed state (``runtime/elastic.py``'s
 wire format: raw bytes, never unpickled) to it when they stop for a lost peer or
 a regroup; the next generation reads it back.  The store keeps the state of the
 newest step it was given (the header's ``meta.step``, ties: the first); it
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import http.server
 import json
+import socket
 import struct
 import threading
 import urllib.parse
@@ -29,13 +33,15 @@ def _step_of(body: bytes) -> tuple[int, int]:
 class StateStore:
     """The newest handed-over state, and which worker processes are ready for a regroup signal."""
 
-    def __init__(self) -> None:
+    def __init__(self, host: str = "127.0.0.1") -> None:
         self.lock = threading.Lock()
         self.body: bytes | None = None
         self.key: tuple[int, int] | None = None
         self.ready: set[int] = set()
         self.num_handed_off = 0
-        self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _handler(self))
+        server = type("_Server", (http.server.ThreadingHTTPServer,),
+                      {"address_family": socket.AF_INET6 if ":" in host else socket.AF_INET})
+        self._server = server((host.strip("[]"), 0), _handler(self))
         self._server.daemon_threads = True
         self._thread = threading.Thread(target=self._server.serve_forever, name="distribute-elastic-agent", daemon=True)
         self._thread.start()
@@ -43,7 +49,7 @@ class StateStore:
     @property
     def address(self) -> str:
         host, port = self._server.server_address[:2]
-        return f"{host}:{port}"
+        return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
     def step(self) -> int | None:
         """The step of the state held (None: no state)."""
@@ -89,6 +95,9 @@ def _handler(store: StateStore) -> type:
             body = self.rfile.read(length) if length else b""
             url = urllib.parse.urlparse(self.path)
             if url.path == "/state":
+                if len(body) != length:  # the sender ended mid-message (killed while handing off): keep the last whole one
+                    self._reply(400, f"truncated state message: {len(body)} of {length} bytes".encode())
+                    return
                 try:
                     store.put(body)
                 except (ValueError, struct.error, KeyError) as err:
