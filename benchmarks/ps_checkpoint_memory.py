@@ -170,7 +170,8 @@ def main(argv=None) -> int:
                       "worker_rss_end_mb": _actor_rss(strategy, "workers"),
                       "restore_elsewhere": state.get("restore_elsewhere"),
                       "checkpoint_directory": sorted(os.listdir(directory)),
-                      "tables": sorted(os.listdir(os.path.join(state["path"], "tables"))), "phases": phases}))
+                      "tables": sorted(os.listdir(tables)) if os.path.isdir(tables := os.path.join(state["path"], "tables")) else [],
+                      "phases": phases}))
     strategy._shutdown()
     return 0
 
