@@ -34,7 +34,8 @@ def _reference(mode: str, tmp_path) -> tuple[list[np.ndarray], list[float]]:
     return train(mirrored(3), str(tmp_path / "reference_backup"))
 
 
-def _launch(mode: str, tmp_path) -> tuple[int, str]:
+def _launch(mode: str, tmp_path) -> tuple[int, str, tuple[list[np.ndarray], list[float]]]:
+    """Runs the elastic launch; computes the uninterrupted reference in this process meanwhile (it mostly waits)."""
     import subprocess
 
     hosts = tmp_path / "hosts.txt"
@@ -49,12 +50,19 @@ def _launch(mode: str, tmp_path) -> tuple[int, str]:
                "--hosts-command", str(script), "--devices-per-worker", "1", "--timeout-seconds",
                str(LAUNCH_TIMEOUT_SECONDS), str(HERE.parent / "elastic_job.py"), mode, str(hosts), str(backup),
                str(tmp_path)]
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_SECONDS + 30)
-    return done.returncode, done.stdout + done.stderr
+    log = tmp_path / "launch.log"  # a file, not a pipe: the launch never waits for this process to read
+    with open(log, "w") as out, subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT) as launch:
+        try:
+            reference = _reference(mode, tmp_path)
+            launch.wait(timeout=LAUNCH_TIMEOUT_SECONDS + 30)
+        finally:
+            if launch.poll() is None:
+                launch.kill()
+    return launch.returncode, log.read_text(), reference
 
 
 def _check(mode: str, tmp_path) -> None:
-    returncode, output = _launch(mode, tmp_path)
+    returncode, output, (weights, losses) = _launch(mode, tmp_path)
     tail = output[-8000:]
     assert returncode == 0, tail
     # Generations: 3 workers, then 2 after the kill (a restart), then 3 again (a regroup, not a restart).
@@ -81,7 +89,6 @@ def _check(mode: str, tmp_path) -> None:
     assert "restored step %d from the agent's memory" % starts[1] in output, tail
     assert max(applied[2]) == elastic_job.EPOCHS * elastic_job.STEPS_PER_EPOCH
     # The result: the uninterrupted 3-replica run's weights and per-epoch losses.
-    weights, losses = _reference(mode, tmp_path)
     with np.load(tmp_path / "weights.npz") as got:
         for i, want in enumerate(weights):
             np.testing.assert_allclose(got[f"arr_{i}"], want, rtol=1e-5, atol=1e-6)
