@@ -302,3 +302,33 @@ def test_sigterm_is_forwarded_and_ends_multi_worker_strategy_workers_at_once(tmp
 def test_grace_seconds_option_is_validated():
     result = cli(["--num-workers", "1", "--grace-seconds", "-1", "x.py"])
     assert result.returncode == 2 and "--grace-seconds is -1.0; it must be >= 0" in result.stderr
+
+
+def test_free_ports_are_outside_the_range_the_kernel_hands_out(monkeypatch):
+    # A task binds its port seconds after the launcher chose it; a port from the ephemeral range could be taken
+    # meanwhile by any bind to port 0 or outgoing connection (seen in CI: "another process listens on it").
+    import socket
+
+    from distribute.cluster import ports
+
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        low, high = (int(v) for v in f.read().split())
+    held = []
+    try:
+        for _ in range(20):  # ports the kernel hands out right now, held while free_ports chooses
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind(("127.0.0.1", 0))
+            held.append(s)
+        taken = {s.getsockname()[1] for s in held}
+        chosen = ports.free_ports(50)
+    finally:
+        for s in held:
+            s.close()
+    assert len(set(chosen)) == 50 and not set(chosen) & taken, chosen
+    assert all(ports._FIRST_PORT <= p < low for p in chosen), (chosen, low, high)
+    for p in chosen[:5]:  # free: a task can bind them
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", p))
+    # No room below the ephemeral range: the kernel's choice, as before.
+    monkeypatch.setattr(ports, "_ephemeral_start", lambda: ports._FIRST_PORT + 10)
+    assert len(set(ports.free_ports(3))) == 3

@@ -2,18 +2,54 @@
 
 from __future__ import annotations
 
+import random
 import socket
+
+# Ports the kernel never hands out by itself: above Ray's worker ports (min/max_worker_port, 10002-19999 by
+# default) and below the ephemeral range (/proc/sys/net/ipv4/ip_local_port_range, 32768-60999 by default),
+# from which every bind to port 0 and every outgoing connection's source port is drawn.
+_FIRST_PORT = 20000
+_EPHEMERAL_RANGE = "/proc/sys/net/ipv4/ip_local_port_range"
+_MIN_CHOICES = 1000  # fewer ports than this between the two: fall back to the kernel's choice
+
+
+def _ephemeral_start() -> int | None:
+    try:
+        with open(_EPHEMERAL_RANGE) as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
     """Returns ``count`` distinct TCP ports free on ``host`` right now (``""``: on every interface).
 
-    The ports are found by binding and closing sockets, so another process can
-    take one before the caller binds it; the launchers start their tasks at once.
+    The ports are drawn at random from below the kernel's ephemeral range (and
+    above Ray's worker ports), checked free by binding them: a task starts
+    seconds after its port is chosen, and in that time a port from the
+    ephemeral range can be taken by any process's bind to port 0 or outgoing
+    connection (a Gloo pair, a Ray worker), so the task would fail with "port
+    in use".  Where that range leaves no room below it, the kernel picks
+    (bind to port 0), as before.  Another launcher drawing the same port at the
+    same moment stays possible (one chance in thousands).
     """
-    sockets = []
+    sockets: list[socket.socket] = []
     try:
-        for _ in range(count):
+        ephemeral = _ephemeral_start()
+        if ephemeral is not None and ephemeral - _FIRST_PORT >= _MIN_CHOICES:
+            candidates = list(range(_FIRST_PORT, ephemeral))
+            random.SystemRandom().shuffle(candidates)
+            for port in candidates:
+                if len(sockets) == count:
+                    break
+                s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                try:
+                    s.bind((host, port))
+                except OSError:
+                    s.close()
+                    continue
+                sockets.append(s)
+        while len(sockets) < count:  # no room below the ephemeral range, or too few ports free there
             s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             s.bind((host, 0))
             sockets.append(s)
