@@ -304,12 +304,14 @@ def test_grace_seconds_option_is_validated():
     assert result.returncode == 2 and "--grace-seconds is -1.0; it must be >= 0" in result.stderr
 
 
-def test_free_ports_are_outside_the_range_the_kernel_hands_out(monkeypatch):
+def test_free_ports_are_outside_the_range_the_kernel_hands_out(monkeypatch, tmp_path):
     # A task binds its port seconds after the launcher chose it; a port from the ephemeral range could be taken
     # meanwhile by any bind to port 0 or outgoing connection (seen in CI: "another process listens on it").
     import socket
 
     from distribute.cluster import ports
+
+    monkeypatch.setattr(ports, "_RESERVATIONS", str(tmp_path / "reserved"))
 
     with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
         low, high = (int(v) for v in f.read().split())
@@ -332,3 +334,22 @@ def test_free_ports_are_outside_the_range_the_kernel_hands_out(monkeypatch):
     # No room below the ephemeral range: the kernel's choice, as before.
     monkeypatch.setattr(ports, "_ephemeral_start", lambda: ports._FIRST_PORT + 10)
     assert len(set(ports.free_ports(3))) == 3
+
+
+def test_free_ports_are_not_handed_out_twice_while_reserved(monkeypatch, tmp_path):
+    # Two launchers at once (CI: the suite's two processes) drew the same port; the second job's worker 1 then
+    # joined the first job's cluster ("1 unexpectedly tried to connect with a different incarnation").
+    from distribute.cluster import ports
+
+    monkeypatch.setattr(ports, "_RESERVATIONS", str(tmp_path / "reserved"))
+    monkeypatch.setattr(ports, "_FIRST_PORT", 21000)
+    monkeypatch.setattr(ports, "_ephemeral_start", lambda: 22000)  # 1000 ports to draw from
+    first = ports.free_ports(600)
+    second = ports.free_ports(400)  # the other 400: none of the first's, though all are free again
+    assert len(set(first)) == 600 and len(set(second)) == 400 and not set(first) & set(second)
+    assert len(set(ports.free_ports(5))) == 5  # none left below the range: the kernel's choice
+    old = time.time() - ports.RESERVE_SECONDS - 1
+    for port in first[:3]:  # reservations older than RESERVE_SECONDS lapse
+        os.utime(tmp_path / "reserved" / str(port), (old, old))
+    monkeypatch.setattr(ports, "_ephemeral_start", lambda: 22000)
+    assert sorted(p for p in ports.free_ports(3) if 21000 <= p < 22000) == sorted(first[:3])

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import random
 import socket
+import tempfile
+import time
 
 # Ports the kernel never hands out by itself: above Ray's worker ports (min/max_worker_port, 10002-19999 by
 # default) and below the ephemeral range (/proc/sys/net/ipv4/ip_local_port_range, 32768-60999 by default),
@@ -11,6 +14,28 @@ import socket
 _FIRST_PORT = 20000
 _EPHEMERAL_RANGE = "/proc/sys/net/ipv4/ip_local_port_range"
 _MIN_CHOICES = 1000  # fewer ports than this between the two: fall back to the kernel's choice
+# A port handed out here is not handed out again, by any process of this machine, for this long: the task it
+# was chosen for binds it only after starting (imports, seconds to a minute on a loaded machine).
+RESERVE_SECONDS = 300.0
+_RESERVATIONS = os.path.join(tempfile.gettempdir(), "distribute-ports")
+
+
+def _reserve(port: int) -> bool:
+    """Marks ``port`` handed out (a file per port); False when another process handed it out recently."""
+    os.makedirs(_RESERVATIONS, exist_ok=True)
+    path = os.path.join(_RESERVATIONS, str(port))
+    for _ in range(2):
+        try:
+            os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
+            return True
+        except FileExistsError:
+            try:
+                if time.time() - os.stat(path).st_mtime < RESERVE_SECONDS:
+                    return False
+                os.unlink(path)  # an old reservation: its task bound the port long ago, or never will
+            except FileNotFoundError:
+                pass
+    return False
 
 
 def _ephemeral_start() -> int | None:
@@ -29,9 +54,12 @@ def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
     seconds after its port is chosen, and in that time a port from the
     ephemeral range can be taken by any process's bind to port 0 or outgoing
     connection (a Gloo pair, a Ray worker), so the task would fail with "port
-    in use".  Where that range leaves no room below it, the kernel picks
-    (bind to port 0), as before.  Another launcher drawing the same port at the
-    same moment stays possible (one chance in thousands).
+    in use".  A port is also reserved for :data:`RESERVE_SECONDS` in a file of
+    the temporary directory (``distribute-ports/<port>``), so two launchers of
+    this machine (two jobs, the test suite's processes) never hand out the same
+    port while neither task has bound it: a worker of one would join the
+    other's cluster.  Where the ephemeral range leaves no room below it, the
+    kernel picks (bind to port 0), as before.
     """
     sockets: list[socket.socket] = []
     try:
@@ -46,6 +74,9 @@ def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
                 try:
                     s.bind((host, port))
                 except OSError:
+                    s.close()
+                    continue
+                if not _reserve(port):  # another launcher of this machine chose it and may not have bound it yet
                     s.close()
                     continue
                 sockets.append(s)
