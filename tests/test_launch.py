@@ -353,3 +353,7 @@ def test_free_ports_are_not_handed_out_twice_while_reserved(monkeypatch, tmp_pat
         os.utime(tmp_path / "reserved" / str(port), (old, old))
     monkeypatch.setattr(ports, "_ephemeral_start", lambda: 22000)
     assert sorted(p for p in ports.free_ports(3) if 21000 <= p < 22000) == sorted(first[:3])
+    # A directory that cannot be written (here: under a file) reserves nothing, and ports are still drawn there.
+    (tmp_path / "a_file").write_text("")
+    monkeypatch.setattr(ports, "_RESERVATIONS", str(tmp_path / "a_file" / "reserved"))
+    assert all(21000 <= p < 22000 for p in ports.free_ports(3))

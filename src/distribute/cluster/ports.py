@@ -21,11 +21,16 @@ _RESERVATIONS = os.path.join(tempfile.gettempdir(), "distribute-ports")
 
 
 def _reserve(port: int) -> bool:
-    """Marks ``port`` handed out (a file per port); False when another process handed it out recently."""
-    os.makedirs(_RESERVATIONS, exist_ok=True)
+    """Marks ``port`` handed out (a file per port); False when another process handed it out recently.
+
+    Where the directory cannot be written (another user's, a read-only
+    temporary directory), no reservation is made and True is returned: the
+    port is still one the kernel never hands out by itself.
+    """
     path = os.path.join(_RESERVATIONS, str(port))
     for _ in range(2):
         try:
+            os.makedirs(_RESERVATIONS, exist_ok=True)
             os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
             return True
         except FileExistsError:
@@ -35,6 +40,10 @@ def _reserve(port: int) -> bool:
                 os.unlink(path)  # an old reservation: its task bound the port long ago, or never will
             except FileNotFoundError:
                 pass
+            except OSError:  # another user's reservation we may not remove
+                return False
+        except OSError:
+            return True
     return False
 
 

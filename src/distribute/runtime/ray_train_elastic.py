@@ -53,6 +53,7 @@ logger = logging.getLogger("distribute")
 
 # Ray Train gives a worker's shutdown hooks 5 s before ray.kill; a commit still computing after this is passed over.
 HAND_OFF_WAIT_SECONDS = 2.0
+STORE_START_SECONDS = 120.0  # the run's store actor answers its address within this, or the run stops naming it
 
 
 def store_name(run_id: str) -> str:
@@ -130,7 +131,12 @@ class RayTrainElasticState(ControllerCallback, WorkerGroupCallback, WorkerCallba
 
     def before_worker_group_start(self, worker_group_context: Any) -> None:
         if self.address is None and self._store is not None:
-            self.address = ray.get(self._store.address.remote())
+            try:
+                self.address = ray.get(self._store.address.remote(), timeout=STORE_START_SECONDS)
+            except ray.exceptions.GetTimeoutError as err:
+                raise RuntimeError(f"RayTrainElasticState: the run's store actor ({self._store}) did not start within "
+                                   f"{STORE_START_SECONDS} s; the Ray cluster cannot start a 0-CPU actor on the "
+                                   "controller's node (see `ray status`).") from err
         self.generation += 1
 
     def after_controller_finish(self, result: Any) -> None:
